@@ -1,0 +1,320 @@
+"""The mitmproxy addon: wires mitmproxy's hooks to the router. Short hooks, no policy here.
+
+A request's way through it:
+  request          admin short-circuit | resolve route · peek body · lease · slot · rewrite upstream
+  server_connect   TCP pre-flight of a new upstream connection; refused → fail over (lease moves)
+  responseheaders  first byte; SSE → stream through the usage tap; 5xx → hold for one retry
+  response         retry a 5xx elsewhere; read usage; write the row
+  error            cut stream, refused connect, client gone: passive health, write the row
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from mitmproxy import ctx, exceptions, http
+from mitmproxy.addonmanager import Loader
+from mitmproxy.connection import Client
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from crossbar import request as req
+from crossbar.admin import Admin, is_admin_path
+from crossbar.app import Router
+from crossbar.config import Config, ConfigError, load_config
+from crossbar.errors import CrossbarError
+from crossbar.exchange import Exchange
+from crossbar.lease import Key
+from crossbar.limiter import ClientGone
+from crossbar.store import StoreError
+from crossbar.tap import SSETap, usage_from_body
+from crossbar.upstream import forward_headers, preflight, resend
+
+log = logging.getLogger("crossbar")
+
+META = "crossbar"
+PLACEHOLDER = "http://127.0.0.1:1"  # reverse target never contacted: every request is rewritten
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+PASSIVE_DOWN_STATUSES = frozenset({502, 503, 504})
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class Crossbar:
+    def __init__(self) -> None:
+        self.cfg: Config | None = None
+        self.router: Router | None = None
+        self.admin: Admin | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._gone: dict[str, asyncio.Event] = {}  # client connection id → set when it leaves
+        self._current: dict[str, http.HTTPFlow] = {}  # client connection id → flow being forwarded
+        self.listen_specs: list[str] = []
+
+    # ------------------------------------------------------------ options and lifecycle
+
+    def load(self, loader: Loader) -> None:
+        loader.add_option("crossbar_config", str, "", "Path of crossbar's TOML configuration file.")
+
+    def configure(self, updated: set[str]) -> None:
+        if "crossbar_config" not in updated:
+            return
+        path = ctx.options.crossbar_config
+        if not path:
+            raise exceptions.OptionsError("crossbar_config is not set: add --set crossbar_config=PATH")
+        if self.router is not None:
+            raise exceptions.OptionsError("crossbar_config cannot change while crossbar runs; restart it")
+        try:
+            self.cfg = load_config(path)
+        except ConfigError as exc:
+            raise exceptions.OptionsError(f"crossbar config: {exc}") from None
+        # a hard memory guard; crossbar itself answers JSON 413 above max_body
+        ctx.options.update(
+            connection_strategy="lazy",
+            body_size_limit=str(2 * self.cfg.max_body + (1 << 20)),
+            tcp_timeout=max(600, int(self.cfg.first_byte_timeout) + 60),
+        )
+
+    async def running(self) -> None:
+        if self.cfg is None:
+            log.error("crossbar: no configuration loaded; not serving")
+            return
+        router = Router(self.cfg)
+        try:
+            router.open()
+        except StoreError as exc:
+            log.error("crossbar: %s", exc)
+            return
+        self.router, self.admin = router, Admin(router)
+        self._session = aiohttp.ClientSession()
+        router.start_background()
+        await self._listen()
+
+    async def _listen(self) -> None:
+        assert self.cfg is not None
+        self.listen_specs = [f"reverse:{PLACEHOLDER}@{self.cfg.listen}"]
+        ctx.options.update(server=True, mode=self.listen_specs)
+        ps = ctx.master.addons.get("proxyserver")
+        for _ in range(500):  # the option change starts the servers on a task
+            await asyncio.sleep(0.01)
+            if not ps.servers.is_updating and len(ps.listen_addrs()) >= len(self.listen_specs):
+                break
+        if len(ps.listen_addrs()) < len(self.listen_specs):
+            log.error("crossbar: could not listen on %s", ", ".join(self.listen_specs))
+            return
+        log.info("crossbar: serving on %s", ", ".join(f"{h}:{p}" for h, p, *_ in ps.listen_addrs()))
+
+    async def done(self) -> None:
+        if self._session:
+            await self._session.close()
+        if self.router:
+            await self.router.close()
+
+    # ------------------------------------------------------------ client tracking
+
+    def client_connected(self, client: Client) -> None:
+        self._gone[client.id] = asyncio.Event()
+
+    def client_disconnected(self, client: Client) -> None:
+        self._current.pop(client.id, None)
+        gone = self._gone.pop(client.id, None)
+        if gone:
+            gone.set()
+
+    def _gone_event(self, flow: http.HTTPFlow) -> asyncio.Event:
+        return self._gone.setdefault(flow.client_conn.id, asyncio.Event())
+
+    # ------------------------------------------------------------ request
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or self.router is None:
+            return
+        target = flow.request.path
+        if is_admin_path(target):
+            await self._admin(flow)
+            return
+        ex: Exchange | None = None
+        try:
+            ex = self._exchange(flow)
+            flow.metadata[META] = ex
+            if ex.completion:
+                self.router.lease(ex)
+            else:
+                self.router.host_for_read(ex)
+            await self.router.take_slot(ex, self._gone_event(flow))
+        except CrossbarError as exc:
+            self._answer(flow, exc, ex)
+            return
+        except ClientGone:
+            flow.kill()
+            return
+        self._forward(flow, ex)
+        self._current[flow.client_conn.id] = flow
+
+    def _exchange(self, flow: http.HTTPFlow) -> Exchange:
+        assert self.cfg is not None
+        r = flow.request
+        resolved = req.resolve(r.method, r.path, r.headers.get("x-crossbar-route"), self.cfg.routes)
+        route = resolved.route
+        if resolved.path in req.COMPLETION_PATHS:
+            peek = req.peek_body(r.raw_content, resolved.path, route.default_model, self.cfg.max_body)
+            fp = peek.fingerprint if route.affinity == "conversation" else ""
+            return Exchange(
+                route=route, key=Key(route.name, fp, peek.model), path=resolved.upstream_path,
+                completion=True, stream=peek.stream,
+                prompt_tokens_est=req.estimate_prompt_tokens(peek.prompt_bytes),
+            )
+        model = r.query.get("model") or route.default_model
+        return Exchange(route=route, key=Key(route.name, "", model), path=resolved.upstream_path,
+                        completion=False)
+
+    def _forward(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        assert self.cfg is not None
+        conf = self.cfg.hosts[ex.host]
+        r = flow.request
+        r.scheme = conf.scheme  # before host/port: it decides whether the port shows in Host
+        r.host, r.port = conf.host, conf.port
+        r.path = conf.base_path + ex.path
+
+    def _answer(self, flow: http.HTTPFlow, exc: CrossbarError, ex: Exchange | None) -> None:
+        flow.response = http.Response.make(exc.status, exc.body(), {**JSON_HEADERS, **exc.headers})
+        flow.metadata["crossbar.local"] = True
+        if ex is not None:
+            ex.status = exc.status
+            ex.err = ex.err or exc.message
+
+    async def _admin(self, flow: http.HTTPFlow) -> None:
+        assert self.admin is not None
+        reply = await self.admin.handle(
+            flow.request.method, flow.request.path, flow.request.headers, flow.request.raw_content or b""
+        )
+        flow.response = http.Response.make(reply.status, reply.body, reply.headers)
+        flow.metadata["crossbar.local"] = True
+
+    # ------------------------------------------------------------ upstream connection
+
+    async def server_connect(self, data: ServerConnectionHookData) -> None:
+        """Before mitmproxy opens a new upstream connection, check the host takes connections;
+        if not, move the lease to another candidate (nothing has reached the client yet)."""
+        flow = self._current.get(data.client.id)
+        ex: Exchange | None = flow.metadata.get(META) if flow else None
+        if flow is None or ex is None or self.router is None or data.server.address is None:
+            return
+        host, port = data.server.address
+        why = await preflight(host, port, self.router.cfg.connect_timeout)
+        if why is None:
+            return
+        self.router.passive_mark(ex.host, f"connect failed: {why}")
+        try:
+            moved = await self.router.move(ex, "connect failed", self._gone_event(flow))
+        except (CrossbarError, ClientGone):
+            moved = False
+        if not moved:
+            ex.err = f"connect failed: {why}"
+            return
+        self._forward(flow, ex)
+        data.server.address = (flow.request.host, flow.request.port)
+        if flow.request.scheme == "https":
+            data.server.sni = flow.request.host
+
+    # ------------------------------------------------------------ response
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        ex: Exchange | None = flow.metadata.get(META)
+        if ex is None or flow.metadata.get("crossbar.local") or flow.response is None:
+            return
+        ex.mark_first_byte()
+        ex.status = flow.response.status_code
+        if ex.completion and ex.status in RETRY_STATUSES and not ex.retried:
+            ex.retry_pending = True  # leave the (small) error body buffered: nothing reaches the client yet
+            return
+        if flow.response.headers.get("content-type", "").startswith("text/event-stream"):
+            ex.tap = SSETap()
+            flow.response.stream = ex.tap
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        ex: Exchange | None = flow.metadata.get(META)
+        if ex is None or self.router is None:
+            return
+        if ex.retry_pending:
+            ex.retry_pending = False
+            await self._retry(flow, ex)
+        if flow.response is not None:
+            ex.status = flow.response.status_code
+            if ex.tap is not None:
+                ex.usage = ex.tap.usage
+            elif ex.completion and not flow.metadata.get("crossbar.local"):
+                ex.usage = usage_from_body(_content(flow.response))
+            if ex.status >= 400 and not ex.err:
+                ex.err = f"upstream answered {ex.status}"
+        self.router.finish(ex)
+
+    async def _retry(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        """A 5xx before anything reached the client: send the request once to another candidate.
+        mitmproxy cannot re-send a request, so crossbar does it and answers with the whole reply."""
+        assert self.router is not None and self._session is not None and flow.response is not None
+        status = flow.response.status_code
+        if status in PASSIVE_DOWN_STATUSES:
+            self.router.passive_mark(ex.host, f"answered {status}")
+        try:
+            moved = await self.router.move(ex, f"answered {status}", self._gone_event(flow))
+        except (CrossbarError, ClientGone):
+            moved = False
+        if not moved:
+            ex.err = f"upstream answered {status}; no other host to retry on"
+            return
+        ex.retried = True
+        conf = self.router.cfg.hosts[ex.host]
+        t0 = time.monotonic()
+        try:
+            new_status, headers, body = await resend(
+                self._session, flow.request.method, conf.base_url + ex.path,
+                forward_headers(flow.request.headers.items()), flow.request.raw_content or b"",
+                self.router.cfg.connect_timeout, self.router.cfg.first_byte_timeout,
+            )
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self.router.passive_mark(ex.host, f"retry failed: {exc}")
+            ex.err = f"retry on {ex.host} failed: {exc}"
+            return
+        ex.ttfb_ms = (ex.ttfb_ms or 0) + int((time.monotonic() - t0) * 1000)
+        flow.response = http.Response.make(new_status, body, headers)
+        flow.response.headers["X-Crossbar-Retried"] = "1"
+        if flow.response.headers.get("content-type", "").startswith("text/event-stream"):
+            tap = SSETap()
+            tap(body)
+            tap(b"")
+            ex.usage = tap.usage
+            ex.tap = tap
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        ex: Exchange | None = flow.metadata.get(META)
+        if ex is None or self.router is None:
+            return
+        msg = flow.error.msg if flow.error else "error"
+        ex.err = ex.err or msg
+        if flow.response is None and ex.ttfb_ms is None and _is_connect_failure(msg) and ex.host:
+            self.router.passive_mark(ex.host, msg)
+        if ex.tap is not None:
+            ex.usage = ex.tap.usage
+        if flow.response is not None and ex.status is None:
+            ex.status = flow.response.status_code
+        self.router.finish(ex)
+
+
+def _content(response: http.Response) -> bytes | None:
+    try:
+        return response.content
+    except ValueError:  # undecodable Content-Encoding
+        return None
+
+
+def _is_connect_failure(msg: str) -> bool:
+    text = msg.lower()
+    return any(s in text for s in ("connect call failed", "connection refused", "connection reset",
+                                   "timed out", "no route to host", "network is unreachable",
+                                   "name or service not known", "cannot connect"))
+
+
+def make_addons() -> list[Any]:
+    return [Crossbar()]

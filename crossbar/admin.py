@@ -1,0 +1,252 @@
+"""The operator's API under `/_crossbar/`, answered without contacting any upstream.
+
+Shapes follow the reference README: `hosts`, `routes`, `routes/{route}` (pin/release),
+`hosts/{host}` (drain), `usage`, `metrics`. Every error is JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qs
+
+from crossbar import errors
+from crossbar.app import Router
+from crossbar.config import ConfigError, parse_duration
+from crossbar.errors import CrossbarError
+from crossbar.lease import UnknownHost
+from crossbar.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from crossbar.request import match_route
+
+PREFIX = "/_crossbar"
+JSON_TYPE = "application/json"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes
+    headers: dict[str, str] = field(default_factory=lambda: {"Content-Type": JSON_TYPE})
+
+
+def json_reply(obj: Any, status: int = 200) -> Reply:
+    return Reply(status, json.dumps(obj).encode())
+
+
+def rfc3339(ts: float | None) -> str:
+    if ts is None:
+        return ""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def is_admin_path(path: str) -> bool:
+    return path == PREFIX or path.startswith(PREFIX + "/") or path.startswith(PREFIX + "?")
+
+
+class Admin:
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply:
+        path, _, query = target.partition("?")
+        try:
+            return await self._dispatch(method, path[len(PREFIX):] or "/", parse_qs(query), headers, body)
+        except CrossbarError as exc:
+            return Reply(exc.status, exc.body(), {"Content-Type": JSON_TYPE, **exc.headers})
+
+    async def _dispatch(
+        self, method: str, path: str, query: dict[str, list[str]], headers: Mapping[str, str], body: bytes
+    ) -> Reply:
+        parts = [p for p in path.split("/") if p]
+        match (method, parts):
+            case ("GET", ["hosts"]):
+                return json_reply(self.hosts())
+            case ("GET", ["routes"]):
+                return json_reply(self.routes())
+            case ("POST", ["routes", name]):
+                return json_reply(self.change_route(name, _json_object(body)))
+            case ("POST", ["hosts", name]):
+                return json_reply(self.change_host(name, _json_object(body)))
+            case ("GET", ["usage"]):
+                return await self.usage(query, headers.get("accept", ""))
+            case ("GET", ["metrics"]):
+                return Reply(200, self.router.metrics.exposition(), {"Content-Type": METRICS_CONTENT_TYPE})
+            case (_, ["hosts"] | ["routes"] | ["routes", _] | ["hosts", _] | ["usage"] | ["metrics"]):
+                raise CrossbarError(405, "method_not_allowed", f"{method} is not allowed on {PREFIX}{path}")
+        raise errors.not_found(f"no admin endpoint {PREFIX}{path}")
+
+    # ------------------------------------------------------------ views
+
+    def hosts(self) -> dict[str, Any]:
+        r = self.router
+        out: dict[str, Any] = {}
+        for name, conf in r.cfg.hosts.items():
+            st = r.fleet.state[name]
+            in_flight, queued = r.limiter.host_totals(name)
+            free = sum(
+                r.fleet.free_slots(name, m, r.limiter.in_flight(name, m)) for m in conf.models
+            )
+            out[name] = {
+                "healthy": st.healthy,
+                "loaded": sorted(st.loaded),
+                "last_ok": rfc3339(st.last_ok),
+                "last_err": st.last_err,
+                "free_slots": free,
+                "in_flight": in_flight,
+                "queued": queued,
+                "draining": st.draining,
+                "n_ctx": st.n_ctx,
+                "slots": st.slots,
+                "models": {m: {"n_ctx": c.n_ctx, "slots": c.slots} for m, c in sorted(st.models.items())},
+                "router": st.router,
+                "weight": conf.weight,
+                "base_url": conf.base_url,
+            }
+        return out
+
+    def routes(self) -> dict[str, Any]:
+        r = self.router
+        by_route: dict[str, list[dict[str, Any]]] = {}
+        for lease in r.leases.snapshot():
+            by_route.setdefault(lease.key.route, []).append({
+                "fp": lease.key.fp,
+                "model": lease.key.model,
+                "host": lease.host,
+                "state": lease.state,
+                "created": rfc3339(lease.created),
+                "last_used": rfc3339(lease.last_used),
+            })
+        names = list(r.cfg.routes) + sorted(set(by_route) - set(r.cfg.routes))
+        out: dict[str, Any] = {}
+        for name in names:
+            conf = match_route(name, r.cfg.routes)
+            if conf is None:  # a lease of a route removed from the config
+                continue
+            out[name] = {
+                "hosts": list(conf.hosts),
+                "default_model": conf.default_model,
+                "pinned": r.leases.pinned(name),
+                "leases": by_route.get(name, []),
+            }
+        return out
+
+    # ------------------------------------------------------------ changes
+
+    def change_route(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = self.router
+        conf = match_route(name, r.cfg.routes) if _NAME.match(name) else None
+        if conf is None:
+            raise errors.not_found(f"unknown route {name!r}")
+        _only_keys(body, {"host", "pin", "release"})
+        now = time.time()
+        if body.get("release") is True:
+            n = r.leases.release(name, now)
+            r.metrics.lease_moves.labels("release").inc(n)
+            return {"ok": True, "released": n}
+        pin = body.get("pin")
+        if pin is False:
+            r.leases.unpin(name, now)
+            return {"ok": True}
+        if pin is not True:
+            raise errors.bad_request('send {"host": "<host>", "pin": true}, {"pin": false} or {"release": true}')
+        host = body.get("host")
+        if not isinstance(host, str) or not host:
+            raise errors.bad_request("'host' must name the host to pin the route to")
+        if host not in r.cfg.hosts:
+            raise errors.not_found(f"unknown host {host!r}")
+        try:
+            r.leases.pin(name, host, conf.hosts, now)
+        except UnknownHost as exc:
+            raise errors.bad_request(f"host {host!r} is not a candidate of route {name!r}") from exc
+        r.metrics.lease_moves.labels("pin").inc()
+        return {"ok": True}
+
+    def change_host(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = self.router
+        if name not in r.cfg.hosts:
+            raise errors.not_found(f"unknown host {name!r}")
+        _only_keys(body, {"drain"})
+        drain = body.get("drain")
+        if not isinstance(drain, bool):
+            raise errors.bad_request('send {"drain": true} or {"drain": false}')
+        if drain and not r.fleet.draining(name):
+            r.leases.drain(name, time.time())
+        r.fleet.set_draining(name, drain)
+        return {"ok": True}
+
+    # ------------------------------------------------------------ usage
+
+    async def usage(self, query: dict[str, list[str]], accept: str) -> Reply:
+        by = _one(query, "by", "route")
+        if by not in ("route", "model", "host"):
+            raise errors.bad_request("'by' must be route, model or host")
+        since = parse_since(_one(query, "since", "24h"), time.time())
+        store = self.router.store
+        rows = await asyncio.to_thread(store.usage, since, by)
+        if "text/plain" in accept:
+            return Reply(200, usage_table(rows).encode(), {"Content-Type": "text/plain; charset=utf-8"})
+        return json_reply(rows)
+
+
+def parse_since(value: str, now: float) -> float:
+    """RFC 3339 time, or a duration back from now (`24h`, `7d`)."""
+    try:
+        return now - parse_duration(value, "since")
+    except ConfigError:
+        pass
+    try:
+        ts = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise errors.bad_request(
+            f"'since' must be an RFC 3339 time or a duration such as 24h or 7d, not {value!r}"
+        ) from None
+    if ts.tzinfo is None:
+        raise errors.bad_request("'since' needs a time zone (e.g. 2026-11-30T00:00:00Z)")
+    return ts.timestamp()
+
+
+USAGE_COLUMNS = ("requests", "errors", "busy_ms", "queued_ms", "prompt_tokens", "cached_tokens",
+                 "completion_tokens")
+
+
+def usage_table(rows: list[dict[str, Any]]) -> str:
+    head = ["key", "requests", "errors", "busy_ms", "queued_ms", "prompt", "cached", "completion", "cache_hit"]
+    lines = [head]
+    for row in rows:
+        prompt, cached = row.get("prompt_tokens") or 0, row.get("cached_tokens") or 0
+        hit = f"{cached / prompt:.2f}" if prompt else "-"
+        lines.append([str(row["key"] or "-")] + [str(row.get(c) or 0) for c in USAGE_COLUMNS] + [hit])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "".join(
+        " ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths,
+                 strict=True))).rstrip() + "\n"
+        for line in lines
+    )
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(body or b"{}")
+    except (ValueError, RecursionError):
+        raise errors.bad_request("body must be a JSON object") from None
+    if not isinstance(obj, dict):
+        raise errors.bad_request("body must be a JSON object")
+    return obj
+
+
+def _only_keys(body: dict[str, Any], allowed: set[str]) -> None:
+    extra = sorted(set(body) - allowed)
+    if extra:
+        raise errors.bad_request(f"unknown key {extra[0]!r}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _one(query: dict[str, list[str]], key: str, default: str) -> str:
+    values = query.get(key)
+    return values[-1] if values else default

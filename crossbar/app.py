@@ -1,0 +1,221 @@
+"""The running router: config, host health, leases, slots, store and metrics, and placement.
+
+`Router` owns every piece of live state and the decisions made with it; the mitmproxy addon
+(`crossbar.addon`) only calls into it from its hooks. Nothing here blocks the event loop: the
+store is written by its own thread, the poller is an asyncio task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+from crossbar import errors
+from crossbar.choose import Candidate, choose
+from crossbar.config import Config, RouteConf
+from crossbar.exchange import Exchange
+from crossbar.hosts import Fleet, Poller, PollResult
+from crossbar.lease import Grant, LeaseTable, NoHost, PinnedDown
+from crossbar.limiter import ClientGone, Limiter, QueueFull
+from crossbar.metrics import LiveCollector, Metrics, SlotRow
+from crossbar.store import Store
+
+log = logging.getLogger("crossbar")
+
+
+class Router:
+    def __init__(self, cfg: Config, store: Store | None = None):
+        self.cfg = cfg
+        self.store = store or Store(cfg.db)
+        self.fleet = Fleet(cfg.hosts)
+        self.limiter = Limiter(cfg.queue_max, self.fleet.capacity)
+        self.leases = LeaseTable(self.store, self.fleet, self._choose, cfg.lease_idle)
+        self.metrics = Metrics()
+        self.metrics.add_live(
+            LiveCollector(self._health_rows, self._slot_rows, lambda: self.store.errors, self.leases.count)
+        )
+        self.poller = Poller(
+            self.fleet, cfg.poll_interval, cfg.poll_timeout, self._on_poll, self._on_poll_round
+        )
+
+    # ------------------------------------------------------------ lifecycle
+
+    def open(self) -> None:
+        """Synchronous start-up: open the database and load the lease table back."""
+        self.store.open()
+        self.leases.load(self.store.load_leases())
+        for name, route in self.cfg.routes.items():
+            if route.pin and not route.is_template and self.leases.pinned(name) != route.pin:
+                self.leases.pin(name, route.pin, route.hosts, time.time())
+        self.store.start()
+        log.info("crossbar: %d leases loaded from %s", self.leases.count(), self.cfg.db)
+
+    def start_background(self) -> None:
+        self.poller.start()
+
+    async def close(self) -> None:
+        await self.poller.stop()
+        await asyncio.to_thread(self.store.close)
+
+    # ------------------------------------------------------------ placement
+
+    def candidates(self, names: Sequence[str], model: str) -> list[Candidate]:
+        fleet, limiter = self.fleet, self.limiter
+        return [
+            Candidate(
+                name=name,
+                healthy=fleet.healthy(name),
+                draining=fleet.draining(name),
+                loaded=fleet.loaded(name, model),
+                listed=fleet.conf[name].serves(model),
+                free_slots=fleet.free_slots(name, model, limiter.in_flight(name, model)),
+                weight=fleet.conf[name].weight,
+                queued=limiter.queued(name, model),
+                order=i,
+            )
+            for i, name in enumerate(names)
+        ]
+
+    def _choose(self, names: Sequence[str], model: str) -> str | None:
+        choice = choose(self.candidates(names, model))
+        if choice and choice.loads_model:
+            log.warning("no host has %r loaded; placing it on %s, which will load it", model, choice.host)
+        return choice.host if choice else None
+
+    def lease(self, ex: Exchange, exclude: Iterable[str] = ()) -> Grant:
+        """Pick the host for this request (sticky lease); errors are the client's answer."""
+        try:
+            grant = self.leases.acquire(ex.key, ex.route.hosts, time.time(), frozenset(exclude))
+        except PinnedDown as exc:
+            self.metrics.rejected.labels("pinned_down").inc()
+            raise errors.unavailable(str(exc), retry_after=self._poll_wait()) from exc
+        except NoHost as exc:
+            self.metrics.rejected.labels("no_host").inc()
+            raise errors.no_healthy_host([], self._poll_wait()) from exc
+        if grant.moved_from:
+            self.metrics.lease_moves.labels("unhealthy").inc()
+        elif grant.decision in ("new", "inherited"):
+            self.metrics.lease_moves.labels(str(grant.decision)).inc()
+        ex.host, ex.decision = grant.host, str(grant.decision)
+        return grant
+
+    def host_for_read(self, ex: Exchange) -> None:
+        """A GET pass-through (/v1/models, /health, /props) is answered by the host the route's
+        conversations for that model live on, else by the best candidate. It creates no lease."""
+        pin = self.leases.pinned(ex.key.route)
+        if pin:
+            if not self.fleet.healthy(pin):
+                raise errors.unavailable(f"route {ex.key.route!r} is pinned to {pin!r}, which is not healthy",
+                                         retry_after=self._poll_wait())
+            ex.host, ex.decision = pin, "pinned"
+            return
+        for lease in self.leases.leases_of(ex.key.route):
+            if (not ex.model or lease.key.model == ex.model) and self.fleet.healthy(lease.host):
+                ex.host, ex.decision = lease.host, "reused"
+                return
+        usable = [h for h in ex.route.hosts if self.fleet.healthy(h)]
+        if not usable:
+            raise errors.no_healthy_host([], self._poll_wait())
+        ex.host = (self._choose(usable, ex.model) if ex.model else None) or usable[0]
+        ex.decision = "new"
+
+    async def take_slot(self, ex: Exchange, gone: asyncio.Event | None) -> None:
+        """Wait (bounded FIFO) for a slot on the leased host; 503 + Retry-After when the queue is full."""
+        if not ex.completion:
+            return
+        try:
+            ex.ticket = await self.limiter.acquire(ex.host, ex.model, gone, hold=ex.route.queue)
+        except QueueFull as exc:
+            self.metrics.rejected.labels("queue_full").inc()
+            ex.status, ex.err = 503, "queue full"
+            raise errors.unavailable(
+                f"every slot for {ex.model!r} on {ex.host} is busy and its queue is full",
+                retry_after=exc.retry_after,
+            ) from exc
+        except ClientGone:
+            ex.err = "client left while queued"
+            raise
+        ex.queued_ms += int(ex.ticket.queued_s * 1000)
+        self.metrics.queue_wait.labels(ex.host, ex.model).observe(ex.ticket.queued_s)
+
+    def free_slot(self, ex: Exchange) -> None:
+        if ex.ticket is not None:
+            self.limiter.release(ex.ticket)
+            ex.ticket = None
+
+    async def move(self, ex: Exchange, reason: str, gone: asyncio.Event | None) -> bool:
+        """The leased host failed before anything reached the client: lease elsewhere, once."""
+        failed = ex.host
+        ex.excluded.add(failed)
+        self.free_slot(ex)
+        try:
+            self.lease(ex, exclude=ex.excluded)
+        except errors.CrossbarError:
+            ex.host = failed
+            return False
+        log.warning("%s on %s: moving %s/%s to %s", reason, failed, ex.key.route, ex.model, ex.host)
+        await self.take_slot(ex, gone)
+        ex.decision = "retried"
+        return True
+
+    def passive_mark(self, host: str, reason: str) -> None:
+        if self.fleet.mark_down(host, reason):
+            self.store.record_health(time.time(), host, False, [])
+
+    def _poll_wait(self) -> int:
+        return max(1, int(self.cfg.poll_interval))
+
+    # ------------------------------------------------------------ accounting
+
+    def finish(self, ex: Exchange) -> None:
+        """Release everything the request held and write its row, exactly once."""
+        if ex.finished:
+            return
+        ex.finished = True
+        self.free_slot(ex)
+        if not ex.completion:
+            return
+        if ex.host:
+            self.leases.touch(ex.key, time.time())
+        self.store.record_request(ex.row())
+        host = ex.host or ""
+        self.metrics.requests.labels(ex.key.route, host, str(ex.status or 0)).inc()
+        if ex.ttfb_ms is not None:
+            self.metrics.ttfb.labels(host).observe(ex.ttfb_ms / 1000)
+        u = ex.usage
+        if u is None:
+            return
+        for kind, value in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens),
+                            ("completion", u.completion_tokens)):
+            if value:
+                self.metrics.tokens.labels(ex.key.route, host, kind).inc(value)
+        if u.tokens_per_second:
+            self.metrics.generation_tps.labels(host, ex.model).observe(u.tokens_per_second)
+
+    # ------------------------------------------------------------ poller callbacks
+
+    def _on_poll(self, host: str, res: PollResult, changed: bool) -> None:
+        self.store.record_health(time.time(), host, self.fleet.healthy(host), sorted(res.loaded))
+
+    def _on_poll_round(self) -> None:
+        self.limiter.refresh()
+        expired = self.leases.expire_idle(time.time())
+        if expired:
+            self.metrics.lease_moves.labels("idle").inc(expired)
+
+    # ------------------------------------------------------------ live views
+
+    def _health_rows(self) -> Iterable[tuple[str, bool]]:
+        return ((name, self.fleet.healthy(name)) for name in self.cfg.hosts)
+
+    def _slot_rows(self) -> Iterable[SlotRow]:
+        for name, conf in self.cfg.hosts.items():
+            for model in conf.models:
+                busy = self.limiter.in_flight(name, model)
+                yield (name, model, self.fleet.free_slots(name, model, busy), busy,
+                       self.limiter.queued(name, model), self.fleet.capacity(name, model))
+
+    def route_names(self) -> list[RouteConf]:
+        return list(self.cfg.routes.values())

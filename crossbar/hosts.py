@@ -1,0 +1,327 @@
+"""Host health: what each llama-server can do right now.
+
+`Fleet` holds the state of every configured host (health, loaded models, learned context and
+slots, drain) and answers the questions placement asks. `Poller` refreshes it on an asyncio task;
+the parsing of each endpoint's reply is plain functions so it can be tested against the recorded
+samples. Passive marks come from the addon (a refused connection or a 502/503/504 marks a host
+down at once); recovery needs two consecutive good polls.
+
+On a llama-server *router* the poller must never make the router load a model: only models whose
+`status.value` is "loaded" are asked about (`/props?model=X`, `/slots?model=X`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from crossbar.config import HostConf
+
+log = logging.getLogger("crossbar.hosts")
+
+GOOD_POLLS_TO_RECOVER = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCtx:
+    """What `/props` taught us about one model: per-slot context and slot count (0 = unknown)."""
+
+    n_ctx: int = 0
+    slots: int = 0
+
+
+@dataclass(slots=True)
+class PollResult:
+    ok: bool
+    error: str = ""
+    router: bool = False
+    loaded: frozenset[str] = frozenset()
+    n_ctx: int = 0  # host level (single server); 0 on a router or unknown
+    slots: int = 0
+    models: dict[str, ModelCtx] = field(default_factory=dict)
+    free_slots: dict[str, int] = field(default_factory=dict)  # model ("" = the single server) → free
+
+
+@dataclass(slots=True)
+class HostState:
+    name: str
+    healthy: bool = True  # optimistic until the first poll decides
+    polled: bool = False
+    draining: bool = False
+    router: bool = False
+    loaded: frozenset[str] = frozenset()
+    n_ctx: int = 0
+    slots: int = 0
+    models: dict[str, ModelCtx] = field(default_factory=dict)
+    free_slots: dict[str, int] = field(default_factory=dict)
+    last_ok: float | None = None
+    last_err: str = ""
+    good_polls: int = 0
+
+
+# ---------------------------------------------------------------- parsing (pure)
+
+
+def parse_models(body: Any) -> dict[str, str]:
+    """`/v1/models` → {model id: status}; an entry without a status (single server) is "loaded"."""
+    out: dict[str, str] = {}
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return out
+    for entry in data:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            continue
+        status = entry.get("status")
+        value = status.get("value") if isinstance(status, dict) else None
+        out[entry["id"]] = value if isinstance(value, str) else "loaded"
+        for alias in entry.get("aliases") or ():
+            if isinstance(alias, str) and alias not in out:
+                out[alias] = out[entry["id"]]
+    return out
+
+
+def parse_props(body: Any) -> tuple[bool, ModelCtx]:
+    """`/props` → (is_router, per-slot context and slots). A router's own props say nothing."""
+    if not isinstance(body, dict):
+        return False, ModelCtx()
+    if body.get("role") == "router":
+        return True, ModelCtx()
+    settings = body.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    slots = body.get("total_slots")
+    return False, ModelCtx(
+        n_ctx=n_ctx if isinstance(n_ctx, int) and n_ctx > 0 else 0,
+        slots=slots if isinstance(slots, int) and slots > 0 else 0,
+    )
+
+
+def parse_free_slots(body: Any) -> int | None:
+    """`/slots` → number of slots not processing; None when the answer is not a slot list."""
+    if not isinstance(body, list):
+        return None
+    return sum(1 for s in body if isinstance(s, dict) and not s.get("is_processing", False))
+
+
+# ---------------------------------------------------------------- state
+
+
+class Fleet:
+    """Health state of every host; the `HostView` the lease table asks."""
+
+    def __init__(self, hosts: Mapping[str, HostConf], clock: Callable[[], float] = time.time):
+        self.conf = hosts
+        self.clock = clock
+        self.state = {name: HostState(name) for name in hosts}
+
+    # -- HostView
+    def healthy(self, host: str) -> bool:
+        st = self.state.get(host)
+        return st is not None and st.healthy
+
+    def draining(self, host: str) -> bool:
+        st = self.state.get(host)
+        return st is not None and st.draining
+
+    def set_draining(self, host: str, draining: bool) -> None:
+        self.state[host].draining = draining
+
+    # -- what placement needs
+    def loaded(self, host: str, model: str) -> bool:
+        """The model is resident: on a router its status is "loaded"; a single server serves
+        whatever its config lists (it ignores the body's model)."""
+        st = self.state[host]
+        if st.router:
+            return model in st.loaded
+        return self.conf[host].serves(model)
+
+    def capacity(self, host: str, model: str) -> int:
+        """Slots crossbar lets run at once: `parallel` from config, else learned, else 1."""
+        mconf = self.conf[host].models.get(model)
+        if mconf is not None and mconf.parallel:
+            return mconf.parallel
+        st = self.state[host]
+        learned = st.models.get(model, ModelCtx()).slots or (0 if st.router else st.slots)
+        return learned or 1
+
+    def free_slots(self, host: str, model: str, in_flight: int) -> int:
+        """Free slots from the host's own `/slots` when known, never more than our own view."""
+        st = self.state[host]
+        ours = self.capacity(host, model) - in_flight
+        reported = st.free_slots.get(model if st.router else "")
+        return max(0, ours if reported is None else min(reported, ours))
+
+    def slot_ctx(self, host: str, model: str) -> int:
+        """Per-slot context for the model on this host (0 = unknown)."""
+        mconf = self.conf[host].models.get(model)
+        if mconf is not None and mconf.ctx:
+            return mconf.ctx
+        st = self.state[host]
+        if model in st.models:
+            return st.models[model].n_ctx
+        return 0 if st.router else st.n_ctx
+
+    # -- updates
+    def mark_down(self, host: str, reason: str) -> bool:
+        """Passive mark; returns True when this changed the host's health."""
+        st = self.state.get(host)
+        if st is None:
+            return False
+        was = st.healthy
+        st.healthy = False
+        st.good_polls = 0
+        st.last_err = reason
+        if was:
+            log.warning("host %s marked unhealthy: %s", host, reason)
+        return was
+
+    def apply(self, host: str, res: PollResult) -> bool:
+        """Apply one poll; returns True when the host's health changed."""
+        st = self.state[host]
+        was = st.healthy
+        if not res.ok:
+            st.healthy, st.good_polls, st.last_err = False, 0, res.error
+        else:
+            st.last_ok = self.clock()
+            st.router, st.loaded = res.router, res.loaded
+            st.n_ctx, st.slots = res.n_ctx, res.slots
+            st.models, st.free_slots = res.models, res.free_slots
+            st.good_polls += 1
+            if not st.polled or st.good_polls >= GOOD_POLLS_TO_RECOVER:
+                st.healthy = True
+        st.polled = True
+        if was != st.healthy:
+            log.warning("host %s is now %s", host, "healthy" if st.healthy else f"unhealthy: {st.last_err}")
+        return was != st.healthy
+
+
+# ---------------------------------------------------------------- polling (I/O)
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    async with session.get(url) as resp:
+        try:
+            body = await resp.json(content_type=None)
+        except ValueError:
+            body = None
+        return resp.status, body
+
+
+async def poll_host(session: aiohttp.ClientSession, conf: HostConf) -> PollResult:
+    """One health round for one host. Never asks about a model a router has not loaded."""
+    base = conf.base_url
+    try:
+        status, _ = await _get_json(session, f"{base}/health")
+        if status != 200:
+            return PollResult(ok=False, error=f"/health answered {status}")
+        status, body = await _get_json(session, f"{base}/v1/models")
+        if status != 200:
+            return PollResult(ok=False, error=f"/v1/models answered {status}")
+        statuses = parse_models(body)
+        status, body = await _get_json(session, f"{base}/props")
+        router, host_ctx = parse_props(body) if status == 200 else (False, ModelCtx())
+        res = PollResult(ok=True, router=router, n_ctx=host_ctx.n_ctx, slots=host_ctx.slots)
+        if router:
+            res.loaded = frozenset(m for m, s in statuses.items() if s == "loaded")
+            await _poll_router_models(session, base, res)
+        else:
+            res.loaded = frozenset(statuses)
+            status, body = await _get_json(session, f"{base}/slots")
+            free = parse_free_slots(body) if status == 200 else None
+            if free is not None:
+                res.free_slots[""] = free
+        return res
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return PollResult(ok=False, error=_describe(exc))
+
+
+async def _poll_router_models(session: aiohttp.ClientSession, base: str, res: PollResult) -> None:
+    for model in sorted(res.loaded):
+        q = quote(model, safe="")
+        status, body = await _get_json(session, f"{base}/props?model={q}&autoload=false")
+        if status == 200:
+            _, ctx = parse_props(body)
+            res.models[model] = ctx
+        status, body = await _get_json(session, f"{base}/slots?model={q}&autoload=false")
+        free = parse_free_slots(body) if status == 200 else None
+        if free is not None:
+            res.free_slots[model] = free
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    text = str(exc) or type(exc).__name__
+    return text.splitlines()[0][:200]
+
+
+class Poller:
+    """Polls every host each `interval` on an asyncio task; `on_round` runs after each round."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        interval: float,
+        timeout: float,
+        on_result: Callable[[str, PollResult, bool], None] | None = None,
+        on_round: Callable[[], None] | None = None,
+    ):
+        self.fleet = fleet
+        self.interval = interval
+        self.timeout = timeout
+        self.on_result = on_result
+        self.on_round = on_round
+        self.rounds = 0
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._wake = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="crossbar-poller")
+
+    def poke(self) -> None:
+        """Poll again now (e.g. after a passive mark), without waiting for the interval."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session:
+            await self._session.close()
+            self._session = None
+
+    async def poll_once(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit_per_host=2, force_close=False),
+            )
+        names: Sequence[str] = list(self.fleet.conf)
+        results = await asyncio.gather(*(poll_host(self._session, self.fleet.conf[n]) for n in names))
+        for name, res in zip(names, results, strict=True):
+            changed = self.fleet.apply(name, res)
+            if self.on_result:
+                self.on_result(name, res, changed)
+        self.rounds += 1
+        if self.on_round:
+            self.on_round()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # a poll bug must not kill health tracking
+                log.exception("health poll round failed")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval)

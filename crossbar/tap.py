@@ -1,0 +1,240 @@
+"""Token figures from llama-server replies, read without holding up or copying the stream.
+
+llama-server (b11312) puts `timings` on the finish chunk of a stream when the client did not ask
+for usage, and sends an extra `choices: []` chunk with `usage` + `timings` when it did. A
+non-streamed reply carries both at the top level. Absent figures stay None (never 0).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+MAX_LINE = 1024 * 1024  # longer SSE lines are forwarded but not scanned
+
+_DATA = b"data:"
+_DONE = b"[DONE]"
+_USAGE = b'"usage"'
+_USAGE_NULL = b'"usage":null'
+_TIMINGS = b'"timings"'
+_FINISH = (b'"finish_reason":"', b'"finish_reason": "')
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int | None = None  # the whole prompt, cached part included
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    predicted_ms: float | None = None
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        if self.completion_tokens is None or not self.predicted_ms:
+            return None
+        return self.completion_tokens / self.predicted_ms * 1000.0
+
+
+def _count(value: Any) -> int | None:
+    """A token count: a non-negative int (an integral float is accepted), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    return None
+
+
+def _millis(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _first(*values: int | None) -> int | None:
+    return next((v for v in values if v is not None), None)
+
+
+def usage_from_object(obj: Mapping[str, Any]) -> Usage | None:
+    """Figures from one reply object or SSE event; None when it has neither `usage` nor `timings`.
+
+    `prompt_tokens` falls back to `timings.prompt_n + timings.cache_n` only when both are given
+    (`prompt_n` alone counts just the evaluated part, not the whole prompt).
+    """
+    usage = obj.get("usage")
+    timings = obj.get("timings")
+    usage = usage if isinstance(usage, Mapping) else None
+    timings = timings if isinstance(timings, Mapping) else None
+    if usage is None and timings is None:
+        return None
+    usage = usage or {}
+    timings = timings or {}
+    details = usage.get("prompt_tokens_details")
+    details = details if isinstance(details, Mapping) else {}
+    prompt_n = _count(timings.get("prompt_n"))
+    cache_n = _count(timings.get("cache_n"))
+    from_timings = prompt_n + cache_n if prompt_n is not None and cache_n is not None else None
+    return Usage(
+        prompt_tokens=_first(_count(usage.get("prompt_tokens")), from_timings),
+        cached_tokens=_first(cache_n, _count(details.get("cached_tokens"))),
+        completion_tokens=_first(_count(usage.get("completion_tokens")), _count(timings.get("predicted_n"))),
+        predicted_ms=_millis(timings.get("predicted_ms")),
+    )
+
+
+def merge(a: Usage | None, b: Usage | None) -> Usage | None:
+    """Field by field, `b`'s known figures win over `a`'s."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    merged = Usage()
+    for f in fields(Usage):
+        later = getattr(b, f.name)
+        setattr(merged, f.name, later if later is not None else getattr(a, f.name))
+    return merged
+
+
+def usage_from_body(body: bytes | None) -> Usage | None:
+    """Figures from a non-streamed JSON reply; None when there are none or it does not parse."""
+    if not body:
+        return None
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+    return usage_from_object(obj) if isinstance(obj, dict) else None
+
+
+class SSETap:
+    """Streaming callable for mitmproxy's `flow.response.stream`.
+
+    Every chunk is returned unchanged (the same object). Complete `data:` lines are scanned for
+    usage/timings and finish reasons; only the incomplete last line is kept between chunks, and
+    a line longer than `max_line` is dropped from scanning (still forwarded). `b""` marks the
+    end of the body.
+    """
+
+    __slots__ = (
+        "_clock",
+        "_dropping",
+        "_max_line",
+        "_tail",
+        "done",
+        "events",
+        "finish_reason",
+        "first_chunk_at",
+        "nbytes",
+        "saw_done_marker",
+        "usage",
+    )
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_line: int = MAX_LINE) -> None:
+        self._clock = clock
+        self._max_line = max_line
+        self._tail = bytearray()
+        self._dropping = False  # inside an over-long line: skip up to its newline
+        self.usage: Usage | None = None
+        self.done = False
+        self.saw_done_marker = False
+        self.finish_reason: str | None = None
+        self.events = 0
+        self.nbytes = 0
+        self.first_chunk_at: float | None = None
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if not chunk:
+            self._finish()
+            return chunk
+        if self.done:
+            return chunk
+        self.nbytes += len(chunk)
+        if self.first_chunk_at is None:
+            self.first_chunk_at = self._clock()
+        first = chunk.find(b"\n")
+        if first == -1:
+            self._keep(chunk, 0)
+            return chunk
+        self._close_tail(chunk, first)
+        last = chunk.rfind(b"\n")
+        start = first + 1
+        while start <= last:
+            end = chunk.find(b"\n", start)
+            self._scan(chunk, start, end)
+            start = end + 1
+        self._keep(chunk, last + 1)
+        return chunk
+
+    def _keep(self, chunk: bytes, start: int) -> None:
+        """Append chunk[start:] (an incomplete line) to the tail, unless it grows too long."""
+        if self._dropping or start >= len(chunk):
+            return
+        if len(self._tail) + len(chunk) - start > self._max_line:
+            self._tail.clear()
+            self._dropping = True
+            return
+        self._tail += memoryview(chunk)[start:]
+
+    def _close_tail(self, chunk: bytes, newline: int) -> None:
+        """The line that ends at chunk[newline]: the kept tail plus chunk[:newline]."""
+        if self._dropping:
+            self._dropping = False
+            return
+        if not self._tail:
+            self._scan(chunk, 0, newline)
+            return
+        if len(self._tail) + newline <= self._max_line:
+            self._tail += memoryview(chunk)[:newline]
+            self._scan(self._tail, 0, len(self._tail))
+        self._tail.clear()
+
+    def _finish(self) -> None:
+        if not self.done and self._tail and not self._dropping:
+            self._scan(self._tail, 0, len(self._tail))  # a last line without its newline
+        self._tail.clear()
+        self._dropping = False
+        self.done = True
+
+    def _scan(self, buf: bytes | bytearray, start: int, end: int) -> None:
+        """One complete line buf[start:end] (newline excluded)."""
+        if end > start and buf[end - 1] == 0x0D:
+            end -= 1
+        if not buf.startswith(_DATA, start, end):
+            return
+        self.events += 1
+        if end - start > self._max_line:
+            return
+        start += len(_DATA)
+        if end - start <= len(_DONE) + 2 and buf[start:end].strip() == _DONE:
+            self.saw_done_marker = True
+            return
+        if self._wanted(buf, start, end):
+            self._parse(buf[start:end])
+
+    @staticmethod
+    def _wanted(buf: bytes | bytearray, start: int, end: int) -> bool:
+        if buf.find(_TIMINGS, start, end) != -1:
+            return True
+        if buf.find(_USAGE, start, end) != -1 and buf.find(_USAGE_NULL, start, end) == -1:
+            return True
+        return any(buf.find(marker, start, end) != -1 for marker in _FINISH)
+
+    def _parse(self, payload: bytes | bytearray) -> None:
+        try:
+            obj = json.loads(payload)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(obj, dict):
+            return
+        self.usage = merge(self.usage, usage_from_object(obj))
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                reason = choice.get("finish_reason") if isinstance(choice, dict) else None
+                if isinstance(reason, str):
+                    self.finish_reason = reason

@@ -1,0 +1,53 @@
+"""crossbar's own upstream traffic: the TCP pre-flight before a new connection, and the one
+retry after a 5xx (which mitmproxy cannot re-send itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+
+import aiohttp
+
+# hop-by-hop headers (RFC 9110 §7.6.1) plus those the client library sets itself
+_DROP = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+    "host", "content-length",
+})
+
+
+async def preflight(host: str, port: int, timeout: float) -> str | None:
+    """Open and close one TCP connection; None when the host accepts, else why not."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except TimeoutError:
+        return f"connect timed out after {timeout:g}s"
+    except OSError as exc:
+        return str(exc) or type(exc).__name__
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
+
+
+def forward_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in headers if k.lower() not in _DROP]
+
+
+async def resend(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    headers: list[tuple[str, str]],
+    body: bytes,
+    connect_timeout: float,
+    first_byte_timeout: float,
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    """Send the request again to another host and read the whole answer."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=first_byte_timeout)
+    async with session.request(
+        method, url, headers=headers, data=body, timeout=timeout, auto_decompress=False
+    ) as resp:
+        payload = await resp.read()
+        kept = [(k, v) for k, v in resp.headers.items() if k.lower() not in _DROP]
+        return resp.status, kept, payload

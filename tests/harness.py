@@ -1,0 +1,254 @@
+"""End-to-end harness: simulated llama-servers + the real crossbar addon in a real mitmproxy
+DumpMaster, listening on an ephemeral loopback port in the test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mitmproxy import options
+from mitmproxy.tools.dump import DumpMaster
+
+from crossbar.addon import Crossbar
+from crossbar.sim import SimConfig, SimServer
+
+ROOT = Path(__file__).resolve().parent.parent
+MITMDUMP = str(Path(sys.executable).with_name("mitmdump"))
+
+
+@dataclass
+class HostSpec:
+    models: dict[str, dict[str, int]]  # model -> {"parallel": n} (may be empty)
+    weight: float = 1.0
+    sim: SimConfig | None = None  # None: a SimConfig serving the first model
+
+
+@dataclass
+class Fleet:
+    sims: dict[str, SimServer] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> SimServer:
+        return self.sims[name]
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(value)
+
+
+def write_config(
+    path: Path,
+    hosts: Mapping[str, tuple[str, HostSpec]],
+    routes: Mapping[str, Mapping[str, Any]],
+    **top: Any,
+) -> Path:
+    lines = [f"listen = {toml_value(top.pop('listen', '127.0.0.1:0'))}",
+             f"db = {toml_value(str(top.pop('db', path.with_suffix('.db'))))}",
+             f"poll_interval = {toml_value(top.pop('poll_interval', '0.2s'))}",
+             f"poll_timeout = {toml_value(top.pop('poll_timeout', '1s'))}"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in top.items()]
+    for name, (url, spec) in hosts.items():
+        lines += [f"[hosts.{json.dumps(name)}]", f"base_url = {toml_value(url)}",
+                  f"weight = {toml_value(spec.weight)}", f"models = {toml_value(spec.models)}"]
+    for name, conf in routes.items():
+        lines.append(f"[routes.{json.dumps(name)}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in conf.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@asynccontextmanager
+async def sim_fleet(specs: Mapping[str, HostSpec]) -> AsyncIterator[Fleet]:
+    fleet = Fleet()
+    try:
+        for name, spec in specs.items():
+            cfg = spec.sim or SimConfig(models=[next(iter(spec.models))])
+            sim = SimServer(cfg)
+            await sim.start()
+            fleet.sims[name] = sim
+        yield fleet
+    finally:
+        for sim in fleet.sims.values():
+            await sim.close()
+
+
+@dataclass
+class Proxy:
+    port: int
+    addon: Crossbar
+    master: DumpMaster
+    config_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def router(self) -> Any:
+        assert self.addon.router is not None
+        return self.addon.router
+
+
+@asynccontextmanager
+async def crossbar_proxy(config_path: Path, *, wait_polls: int = 1) -> AsyncIterator[Proxy]:
+    """The real addon in a real DumpMaster. With `server=False` nothing listens until the addon
+    opens the listeners of its TOML, exactly as under `./run.sh`."""
+    opts = options.Options(server=False)
+    master = DumpMaster(opts, with_termlog=False, with_dumper=False)
+    addon = Crossbar()
+    master.addons.add(addon)
+    master.options.update(crossbar_config=str(config_path))
+    task = asyncio.create_task(master.run())
+    ps = master.addons.get("proxyserver")
+    for _ in range(500):
+        if addon.router is not None and ps.listen_addrs():
+            break
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("crossbar did not start listening")
+    for _ in range(500):
+        if addon.router.poller.rounds >= wait_polls:
+            break
+        await asyncio.sleep(0.01)
+    port = ps.listen_addrs()[0][1]
+    try:
+        yield Proxy(port, addon, master, config_path)
+    finally:
+        master.shutdown()
+        await asyncio.wait_for(task, 10)
+
+
+async def raw_http(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send raw bytes, read until the server closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+
+
+def post_bytes(path: str, body: bytes, headers: Mapping[str, str] | None = None,
+               close: bool = True) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "Host: crossbar", f"Content-Length: {len(body)}",
+            "Content-Type: application/json"]
+    if close:
+        head.append("Connection: close")
+    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def split_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        body = dechunk(body)
+    return status, headers, body
+
+
+def dechunk(data: bytes) -> bytes:
+    out, pos = bytearray(), 0
+    while True:
+        end = data.find(b"\r\n", pos)
+        if end < 0:
+            raise ValueError("incomplete chunked body")
+        size = int(data[pos:end].split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += data[end + 2:end + 2 + size]
+        pos = end + 2 + size + 2
+        if pos > len(data):
+            raise ValueError("incomplete chunked body")
+
+
+def chat(messages: Sequence[Mapping[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"messages": list(messages), **extra}
+
+
+def conversation(session: str, turns: int, pad: int = 0) -> list[list[dict[str, str]]]:
+    """Growing turns of one conversation: each turn's messages extend the previous turn's."""
+    msgs = [{"role": "system", "content": f"You are agent {session}. " + "x" * pad},
+            {"role": "user", "content": f"task of session {session}"}]
+    out = []
+    for i in range(turns):
+        out.append([dict(m) for m in msgs])
+        msgs += [{"role": "assistant", "content": f"answer {i} " + "y" * 40},
+                 {"role": "user", "content": f"follow-up {i} of {session}"}]
+    return out
+
+
+# ---------------------------------------------------------------- subprocess mitmdump
+
+
+@dataclass
+class MitmdumpProcess:
+    proc: subprocess.Popen[str]
+    port: int
+    output: list[str]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+
+def start_mitmdump(config: Path, extra: Sequence[str] = (), timeout: float = 30) -> MitmdumpProcess:
+    """`mitmdump -s addons/crossbar.py --set crossbar_config=PATH`, as run.sh runs it; waits until
+    `GET /_crossbar/hosts` would answer (the "serving on" line) and returns the bound port."""
+    cmd = [MITMDUMP, "-s", str(ROOT / "addons" / "crossbar.py"), "--set", f"crossbar_config={config}",
+           "--set", "flow_detail=0", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+    assert proc.stdout is not None
+    output: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        output.append(line)
+        if "crossbar: serving on" in line:
+            port = int(line.rsplit(":", 1)[1].split(",")[0].strip())
+            _drain_in_background(proc, output)
+            return MitmdumpProcess(proc, port, output)
+    proc.kill()
+    proc.wait()
+    raise AssertionError("mitmdump did not start:\n" + "".join(output))
+
+
+def _drain_in_background(proc: subprocess.Popen[str], output: list[str]) -> None:
+    import threading
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+
+    threading.Thread(target=pump, daemon=True).start()

@@ -1,0 +1,543 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from crossbar.lease import (
+    Decision,
+    Grant,
+    Key,
+    Lease,
+    LeaseError,
+    LeaseTable,
+    NoHost,
+    PinnedDown,
+    UnknownHost,
+)
+
+R = "proj"
+M = "ornith"
+HOSTS = ["alpha", "beta", "gamma"]
+IDLE_S = 1800.0
+ROUTE_KEY = Key(R, "", M)
+K1 = Key(R, "fp1", M)
+K2 = Key(R, "fp2", M)
+
+
+@dataclass
+class FakePersister:
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def save_lease(
+        self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float
+    ) -> None:
+        self.calls.append(("save", route, fp, model, host, state, created, last_used))
+
+    def delete_lease(self, route: str, fp: str, model: str) -> None:
+        self.calls.append(("delete", route, fp, model))
+
+    def record_event(
+        self,
+        ts: float,
+        route: str,
+        fp: str,
+        model: str,
+        from_host: str | None,
+        to_host: str | None,
+        reason: str,
+    ) -> None:
+        self.calls.append(("event", ts, route, fp, model, from_host, to_host, reason))
+
+    def take(self) -> list[tuple[Any, ...]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+@dataclass
+class FakeHosts:
+    down: set[str] = field(default_factory=set)
+    draining_hosts: set[str] = field(default_factory=set)
+
+    def healthy(self, host: str) -> bool:
+        return host not in self.down
+
+    def draining(self, host: str) -> bool:
+        return host in self.draining_hosts
+
+
+@dataclass
+class FakeChooser:
+    """Picks the first host of `prefer` that is eligible; records what it was offered."""
+
+    prefer: list[str] = field(default_factory=lambda: list(HOSTS))
+    offered: list[tuple[list[str], str]] = field(default_factory=list)
+
+    def __call__(self, eligible: Sequence[str], model: str) -> str | None:
+        self.offered.append((list(eligible), model))
+        return next((h for h in self.prefer if h in eligible), None)
+
+
+@dataclass
+class Row:
+    route: str
+    fp: str
+    model: str
+    host: str
+    state: str
+    created: float
+    last_used: float
+
+
+@dataclass
+class World:
+    table: LeaseTable
+    persist: FakePersister
+    hosts: FakeHosts
+    chooser: FakeChooser
+
+    def acquire(self, key: Key, now: float, exclude: Sequence[str] = ()) -> Grant:
+        return self.table.acquire(key, HOSTS, now, exclude)
+
+
+@pytest.fixture
+def w() -> World:
+    persist, hosts, chooser = FakePersister(), FakeHosts(), FakeChooser()
+    return World(LeaseTable(persist, hosts, chooser, IDLE_S), persist, hosts, chooser)
+
+
+def save(key: Key, host: str, created: float, last_used: float, state: str = "active") -> tuple[Any, ...]:
+    return ("save", key.route, key.fp, key.model, host, state, created, last_used)
+
+
+def event(ts: float, key: Key, from_host: str | None, to_host: str | None, reason: str) -> tuple[Any, ...]:
+    return ("event", ts, key.route, key.fp, key.model, from_host, to_host, reason)
+
+
+def delete(key: Key) -> tuple[Any, ...]:
+    return ("delete", key.route, key.fp, key.model)
+
+
+def pin_row(host: str, now: float) -> tuple[Any, ...]:
+    return ("save", R, "", "", host, "pinned", now, now)
+
+
+def hosts_of(w: World) -> dict[Key, str]:
+    return {lease.key: lease.host for lease in w.table.snapshot()}
+
+
+# ---- new, reuse, move -------------------------------------------------------------------------
+
+
+def test_new_lease_is_placed_by_choose(w: World) -> None:
+    assert w.acquire(K1, 100.0) == Grant("alpha", Decision.NEW)
+    assert w.chooser.offered == [(HOSTS, M)]
+    assert w.persist.take() == [save(K1, "alpha", 100.0, 100.0), event(100.0, K1, None, "alpha", "new")]
+    assert w.table.count() == 1
+
+
+def test_next_turn_reuses_the_host_even_when_choose_prefers_another(w: World) -> None:
+    w.acquire(K1, 100.0)
+    w.persist.take()
+    w.chooser.prefer = ["gamma", "beta", "alpha"]
+    assert w.acquire(K1, 200.0) == Grant("alpha", Decision.REUSED)
+    assert len(w.chooser.offered) == 1
+    assert w.persist.take() == [save(K1, "alpha", 100.0, 200.0)]
+
+
+def test_touch_records_last_use(w: World) -> None:
+    w.acquire(K1, 100.0)
+    w.persist.take()
+    w.table.touch(K1, 150.0)
+    w.table.touch(K2, 150.0)  # no lease: nothing happens
+    assert w.persist.take() == [save(K1, "alpha", 100.0, 150.0)]
+    assert w.table.snapshot()[0].last_used == 150.0
+
+
+def test_unhealthy_host_moves_the_lease_with_an_event(w: World) -> None:
+    w.acquire(K1, 100.0)
+    w.persist.take()
+    w.hosts.down.add("alpha")
+    assert w.acquire(K1, 200.0) == Grant("beta", Decision.MOVED, moved_from="alpha")
+    assert w.chooser.offered[-1] == (["beta", "gamma"], M)
+    assert w.persist.take() == [
+        save(K1, "beta", 200.0, 200.0),
+        event(200.0, K1, "alpha", "beta", "unhealthy"),
+    ]
+
+
+def test_recovery_does_not_move_the_lease_back(w: World) -> None:
+    w.acquire(K1, 100.0)
+    w.hosts.down.add("alpha")
+    w.acquire(K1, 200.0)
+    w.hosts.down.clear()
+    w.persist.take()
+    assert w.acquire(K1, 300.0) == Grant("beta", Decision.REUSED)
+    assert w.persist.take() == [save(K1, "beta", 200.0, 300.0)]
+
+
+def test_exclude_behaves_like_unhealthy(w: World) -> None:
+    w.acquire(K1, 100.0)
+    w.persist.take()
+    assert w.acquire(K1, 101.0, exclude=["alpha"]) == Grant("beta", Decision.MOVED, moved_from="alpha")
+    assert w.persist.take() == [
+        save(K1, "beta", 101.0, 101.0),
+        event(101.0, K1, "alpha", "beta", "unhealthy"),
+    ]
+    assert w.acquire(K2, 102.0, exclude=["alpha", "beta"]) == Grant("gamma", Decision.NEW)
+    assert w.chooser.offered[-1] == (["gamma"], M)
+
+
+def test_lease_on_a_host_no_longer_in_the_route_moves(w: World) -> None:
+    w.acquire(K1, 100.0)
+    grant = w.table.acquire(K1, ["beta", "gamma"], 200.0)
+    assert grant == Grant("beta", Decision.MOVED, moved_from="alpha")
+
+
+def test_no_host_creates_nothing(w: World) -> None:
+    w.hosts.down.update(HOSTS)
+    with pytest.raises(NoHost):
+        w.acquire(K1, 100.0)
+    assert w.table.count() == 0
+    assert w.persist.take() == []
+
+
+def test_no_host_when_choose_declines(w: World) -> None:
+    w.chooser.prefer = []
+    with pytest.raises(NoHost, match="ornith"):
+        w.acquire(K1, 100.0)
+    assert w.table.count() == 0
+    assert w.persist.take() == []
+
+
+def test_no_host_after_unhealthy_keeps_the_old_lease(w: World) -> None:
+    w.acquire(K1, 100.0)
+    w.persist.take()
+    w.hosts.down.update(HOSTS)
+    with pytest.raises(NoHost):
+        w.acquire(K1, 200.0)
+    assert w.persist.take() == []
+    w.hosts.down.clear()
+    assert w.acquire(K1, 300.0) == Grant("alpha", Decision.REUSED)
+
+
+# ---- fingerprint inheritance ----------------------------------------------------------------
+
+
+def test_fingerprint_inherits_the_route_lease(w: World) -> None:
+    w.chooser.prefer = ["beta"]
+    w.acquire(ROUTE_KEY, 100.0)
+    w.chooser.prefer = ["alpha"]
+    w.persist.take()
+    assert w.acquire(K1, 200.0) == Grant("beta", Decision.INHERITED)
+    assert len(w.chooser.offered) == 1
+    assert w.persist.take() == [save(K1, "beta", 200.0, 200.0), event(200.0, K1, None, "beta", "new")]
+    assert hosts_of(w) == {ROUTE_KEY: "beta", K1: "beta"}
+
+
+@pytest.mark.parametrize("trouble", ["down", "draining", "excluded"])
+def test_no_inheritance_from_an_unusable_route_lease(w: World, trouble: str) -> None:
+    w.chooser.prefer = ["beta", "alpha"]
+    w.acquire(ROUTE_KEY, 100.0)
+    exclude = ["beta"] if trouble == "excluded" else []
+    if trouble == "down":
+        w.hosts.down.add("beta")
+    if trouble == "draining":
+        w.hosts.draining_hosts.add("beta")
+    assert w.acquire(K1, 200.0, exclude=exclude) == Grant("alpha", Decision.NEW)
+
+
+def test_route_lease_does_not_inherit_from_itself(w: World) -> None:
+    assert w.acquire(ROUTE_KEY, 100.0).decision == Decision.NEW
+
+
+# ---- pins ------------------------------------------------------------------------------------
+
+
+def test_pin_sends_the_route_to_the_pin_and_drops_leases_elsewhere(w: World) -> None:
+    w.acquire(K1, 100.0)  # alpha
+    w.chooser.prefer = ["beta"]
+    w.acquire(K2, 101.0)  # beta
+    other = Key("other", "fp", M)
+    w.acquire(other, 102.0)
+    w.persist.take()
+
+    w.table.pin(R, "beta", HOSTS, 200.0)
+    assert w.table.pinned(R) == "beta"
+    assert w.persist.take() == [
+        event(200.0, Key(R, "", ""), None, "beta", "pin"),
+        delete(K1),
+        event(200.0, K1, "alpha", "beta", "pin"),
+        save(K2, "beta", 101.0, 101.0, "pinned"),
+        pin_row("beta", 200.0),
+    ]
+    assert hosts_of(w) == {K2: "beta", other: "beta"}
+
+    assert w.acquire(K1, 300.0) == Grant("beta", Decision.PINNED)
+    assert w.persist.take() == [
+        save(K1, "beta", 300.0, 300.0, "pinned"),
+        event(300.0, K1, None, "beta", "new"),
+    ]
+    assert w.acquire(K2, 301.0) == Grant("beta", Decision.PINNED)
+    assert w.persist.take() == [save(K2, "beta", 101.0, 301.0, "pinned")]
+
+
+def test_pin_outranks_a_healthier_choice_and_the_lease_state(w: World) -> None:
+    w.table.pin(R, "gamma", HOSTS, 100.0)
+    w.chooser.prefer = ["alpha"]
+    assert w.acquire(K1, 200.0) == Grant("gamma", Decision.PINNED)
+    assert [lease.state for lease in w.table.leases_of(R)] == ["pinned"]
+
+
+def test_repinning_to_the_same_host_changes_nothing(w: World) -> None:
+    w.table.pin(R, "beta", HOSTS, 100.0)
+    w.persist.take()
+    w.table.pin(R, "beta", HOSTS, 200.0)
+    assert w.persist.take() == []
+
+
+def test_repinning_moves_the_route_to_the_new_pin(w: World) -> None:
+    w.table.pin(R, "beta", HOSTS, 100.0)
+    w.acquire(K1, 101.0)
+    w.persist.take()
+    w.table.pin(R, "gamma", HOSTS, 200.0)
+    assert w.persist.take() == [
+        event(200.0, Key(R, "", ""), "beta", "gamma", "pin"),
+        delete(K1),
+        event(200.0, K1, "beta", "gamma", "pin"),
+        pin_row("gamma", 200.0),
+    ]
+
+
+def test_pin_to_an_unknown_host_is_refused(w: World) -> None:
+    with pytest.raises(UnknownHost):
+        w.table.pin(R, "delta", HOSTS, 100.0)
+    assert w.table.pinned(R) == ""
+    assert w.persist.take() == []
+
+
+@pytest.mark.parametrize("trouble", ["down", "excluded"])
+def test_pinned_host_down_is_an_error_and_nothing_moves(w: World, trouble: str) -> None:
+    w.table.pin(R, "beta", HOSTS, 100.0)
+    w.acquire(K1, 101.0)
+    w.persist.take()
+    exclude = ["beta"] if trouble == "excluded" else []
+    if trouble == "down":
+        w.hosts.down.add("beta")
+    with pytest.raises(PinnedDown, match=r"proj.*beta"):
+        w.acquire(K1, 200.0, exclude=exclude)
+    with pytest.raises(LeaseError):
+        w.acquire(K2, 200.0, exclude=exclude)
+    assert w.persist.take() == []
+    assert hosts_of(w) == {K1: "beta"}
+
+
+def test_pinned_route_moves_a_stray_lease_to_the_pin(w: World) -> None:
+    w.table.load(
+        [
+            Row(R, "fp1", M, "alpha", "active", 10.0, 20.0),
+            Row(R, "", "", "beta", "pinned", 5.0, 5.0),
+        ]
+    )
+    assert w.acquire(K1, 100.0) == Grant("beta", Decision.PINNED, moved_from="alpha")
+    assert w.persist.take() == [
+        save(K1, "beta", 100.0, 100.0, "pinned"),
+        event(100.0, K1, "alpha", "beta", "pin"),
+    ]
+
+
+def test_pin_serves_even_a_draining_pinned_host(w: World) -> None:
+    w.table.pin(R, "beta", HOSTS, 100.0)
+    w.hosts.draining_hosts.add("beta")
+    assert w.acquire(K1, 200.0) == Grant("beta", Decision.PINNED)
+
+
+def test_unpin_keeps_the_leases(w: World) -> None:
+    w.table.pin(R, "beta", HOSTS, 100.0)
+    w.acquire(K1, 101.0)
+    w.persist.take()
+    w.table.unpin(R, 200.0)
+    assert w.table.pinned(R) == ""
+    assert w.persist.take() == [
+        delete(Key(R, "", "")),
+        event(200.0, Key(R, "", ""), "beta", None, "release"),
+        save(K1, "beta", 101.0, 101.0, "active"),
+    ]
+    w.chooser.prefer = ["alpha"]
+    assert w.acquire(K1, 300.0) == Grant("beta", Decision.REUSED)
+    w.persist.take()
+    w.table.unpin(R, 400.0)  # not pinned: nothing
+    assert w.persist.take() == []
+
+
+def test_release_drops_every_lease_of_the_route_and_the_pin(w: World) -> None:
+    other = Key("other", "fp", M)
+    w.acquire(other, 90.0)
+    w.table.pin(R, "beta", HOSTS, 100.0)
+    w.acquire(K1, 101.0)
+    w.acquire(K2, 102.0)
+    w.persist.take()
+    assert w.table.release(R, 200.0) == 2
+    assert w.persist.take() == [
+        delete(K1),
+        event(200.0, K1, "beta", None, "release"),
+        delete(K2),
+        event(200.0, K2, "beta", None, "release"),
+        delete(Key(R, "", "")),
+        event(200.0, Key(R, "", ""), "beta", None, "release"),
+    ]
+    assert w.table.pinned(R) == ""
+    assert w.table.leases_of(R) == []
+    assert hosts_of(w) == {other: "alpha"}
+    assert w.acquire(K1, 300.0) == Grant("alpha", Decision.NEW)
+    assert w.table.release("nobody", 300.0) == 0
+
+
+# ---- drain ---------------------------------------------------------------------------------
+
+
+def test_draining_host_keeps_existing_leases_but_takes_no_new_ones(w: World) -> None:
+    w.acquire(K1, 100.0)
+    w.persist.take()
+    w.hosts.draining_hosts.add("alpha")
+    assert w.table.drain("alpha", 150.0) == 1
+    assert w.persist.take() == [event(150.0, K1, "alpha", None, "drain")]
+    assert w.acquire(K1, 200.0) == Grant("alpha", Decision.REUSED)
+    assert w.acquire(K2, 201.0) == Grant("beta", Decision.NEW)
+    assert w.chooser.offered[-1] == (["beta", "gamma"], M)
+    assert w.table.drain("gamma", 300.0) == 0
+
+
+# ---- idle ----------------------------------------------------------------------------------
+
+
+def test_expire_idle_drops_only_stale_leases(w: World) -> None:
+    w.acquire(K1, 0.0)
+    w.acquire(K2, 1000.0)
+    w.persist.take()
+    assert w.table.expire_idle(IDLE_S) == 0  # exactly idle: not yet
+    assert w.table.expire_idle(IDLE_S + 1) == 1
+    assert w.persist.take() == [delete(K1), event(IDLE_S + 1, K1, "alpha", None, "idle")]
+    assert hosts_of(w) == {K2: "alpha"}
+
+
+def test_idle_lease_is_replaced_lazily_in_acquire(w: World) -> None:
+    w.acquire(K1, 0.0)
+    w.persist.take()
+    w.chooser.prefer = ["gamma"]
+    now = IDLE_S + 10
+    assert w.acquire(K1, now) == Grant("gamma", Decision.IDLE, moved_from="alpha")
+    assert w.persist.take() == [
+        delete(K1),
+        event(now, K1, "alpha", None, "idle"),
+        save(K1, "gamma", now, now),
+        event(now, K1, None, "gamma", "new"),
+    ]
+
+
+def test_pins_never_expire(w: World) -> None:
+    w.table.pin(R, "beta", HOSTS, 0.0)
+    w.acquire(K1, 0.0)
+    later = 10 * IDLE_S
+    assert w.table.expire_idle(later) == 1
+    assert w.table.pinned(R) == "beta"
+    assert w.acquire(K1, later) == Grant("beta", Decision.PINNED)
+    assert w.acquire(K2, later + 10 * IDLE_S) == Grant("beta", Decision.PINNED)
+
+
+# ---- restart, views ----------------------------------------------------------------------------
+
+
+def test_load_restores_leases_and_pins(w: World) -> None:
+    other = Key("other", "", M)
+    w.table.load(
+        [
+            Row(R, "fp1", M, "gamma", "active", 10.0, 20.0),
+            Row("other", "", M, "beta", "pinned", 11.0, 21.0),
+            Row("other", "", "", "beta", "pinned", 5.0, 5.0),
+        ]
+    )
+    assert w.persist.take() == []
+    assert w.table.count() == 2
+    assert w.table.pinned("other") == "beta"
+    assert w.table.snapshot() == [
+        Lease(other, "beta", "pinned", 11.0, 21.0),
+        Lease(K1, "gamma", "active", 10.0, 20.0),
+    ]
+    w.chooser.prefer = ["alpha"]
+    assert w.acquire(K1, 100.0) == Grant("gamma", Decision.REUSED)
+    assert w.acquire(other, 100.0) == Grant("beta", Decision.PINNED)
+
+
+def test_load_replaces_what_was_in_memory(w: World) -> None:
+    w.acquire(K1, 100.0)
+    w.table.pin("x", "alpha", HOSTS, 100.0)
+    w.table.load([])
+    assert w.table.count() == 0
+    assert w.table.pinned("x") == ""
+
+
+def test_snapshot_is_sorted_pin_free_and_copied(w: World) -> None:
+    keys = [Key("b", "", M), Key("a", "z", M), Key("a", "", "m2"), Key("a", "", "m1")]
+    for i, key in enumerate(keys):
+        w.acquire(key, float(i))
+    w.table.pin("a", "alpha", HOSTS, 10.0)
+    snap = w.table.snapshot()
+    assert [lease.key for lease in snap] == [
+        Key("a", "", "m1"),
+        Key("a", "", "m2"),
+        Key("a", "z", M),
+        keys[0],
+    ]
+    snap[0].host = "mutated"
+    assert w.table.snapshot()[0].host == "alpha"
+    assert [lease.key for lease in w.table.leases_of("a")] == [lease.key for lease in snap[:3]]
+    assert w.table.leases_of("nobody") == []
+
+
+def test_model_less_route_lease_does_not_clobber_the_pin_row(w: World) -> None:
+    bare = Key(R, "", "")
+    w.acquire(bare, 100.0)  # alpha
+    w.persist.take()
+    w.table.pin(R, "alpha", HOSTS, 200.0)
+    calls = w.persist.take()
+    assert calls[-1] == pin_row("alpha", 200.0)
+    assert delete(bare) not in calls
+
+
+# ---- cost per request --------------------------------------------------------------------------
+
+
+class CountingKey(Key):
+    """A Key whose hashing and comparisons are counted, to see how much an acquire touches."""
+
+    __slots__ = ()
+    ops = 0
+
+    def __hash__(self) -> int:
+        CountingKey.ops += 1
+        return Key.__hash__(self)
+
+    def __eq__(self, other: object) -> bool:
+        CountingKey.ops += 1
+        return Key.__eq__(self, other)
+
+
+def ops_per_acquire(n_leases: int) -> int:
+    persist, hosts, chooser = FakePersister(), FakeHosts(), FakeChooser()
+    table = LeaseTable(persist, hosts, chooser, IDLE_S)
+    for i in range(n_leases):
+        table.acquire(CountingKey(R, f"fp{i}", M), HOSTS, 0.0)
+    probe = CountingKey(R, "fp0", M)
+    fresh = CountingKey(R, "new", M)
+    CountingKey.ops = 0
+    table.acquire(probe, HOSTS, 1.0)
+    table.acquire(fresh, HOSTS, 1.0)
+    table.touch(probe, 2.0)
+    return CountingKey.ops
+
+
+def test_acquire_cost_does_not_grow_with_the_table() -> None:
+    assert ops_per_acquire(10_000) == ops_per_acquire(10)

@@ -1,0 +1,626 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossbar.config import RouteConf
+from crossbar.errors import CrossbarError
+from crossbar.request import (
+    ALLOWED,
+    COMPLETION_PATHS,
+    BodyPeek,
+    estimate_prompt_tokens,
+    fingerprint,
+    match_route,
+    peek_body,
+    resolve,
+    template_matches,
+)
+
+CHAT = "/v1/chat/completions"
+MIB = 1024 * 1024
+
+
+def _routes(*names: str) -> dict[str, RouteConf]:
+    return {name: RouteConf(name=name, hosts=("alpha",), default_model=f"dm-{name}") for name in names}
+
+
+ROUTES = _routes("opencode-a", "v1", "opencode-*", "opencode-*-x", "*-tmp")
+
+
+# ---------------------------------------------------------------- resolve
+
+
+@pytest.mark.parametrize(
+    ("method", "raw_path", "header", "route", "path", "upstream"),
+    [
+        ("POST", "/opencode-a/v1/chat/completions", None, "opencode-a", CHAT, CHAT),
+        ("POST", "/opencode-a/v1/completions", None, "opencode-a", "/v1/completions", "/v1/completions"),
+        ("POST", "/opencode-a/v1/embeddings", None, "opencode-a", "/v1/embeddings", "/v1/embeddings"),
+        ("GET", "/opencode-a/v1/models", None, "opencode-a", "/v1/models", "/v1/models"),
+        ("GET", "/opencode-a/health", None, "opencode-a", "/health", "/health"),
+        ("GET", "/opencode-a/props?model=x&y=1", None, "opencode-a", "/props", "/props?model=x&y=1"),
+        ("POST", "/opencode-a/v1/chat/completions?", None, "opencode-a", CHAT, CHAT),
+        # header route on a bare path
+        ("POST", CHAT, "opencode-a", "opencode-a", CHAT, CHAT),
+        ("GET", "/health", "opencode-a", "opencode-a", "/health", "/health"),
+        ("GET", "/v1/models?x=1", "opencode-a", "opencode-a", "/v1/models", "/v1/models?x=1"),
+        # the path route wins over the header
+        ("POST", "/opencode-a/v1/chat/completions", "other", "opencode-a", CHAT, CHAT),
+        # a route literally named "v1" is a path route when the rest is allowed
+        ("GET", "/v1/health", None, "v1", "/health", "/health"),
+        # templates give a concrete route carrying the requested name
+        ("POST", "/opencode-proj-123/v1/chat/completions", None, "opencode-proj-123", CHAT, CHAT),
+        ("POST", CHAT, "opencode-proj-123", "opencode-proj-123", CHAT, CHAT),
+    ],
+)
+def test_resolve_ok(
+    method: str, raw_path: str, header: str | None, route: str, path: str, upstream: str
+) -> None:
+    resolved = resolve(method, raw_path, header, ROUTES)
+    assert resolved.route.name == route
+    assert resolved.path == path
+    assert resolved.upstream_path == upstream
+    assert not resolved.route.is_template
+
+
+def test_resolve_template_keeps_template_settings() -> None:
+    routes = {"opencode-*": RouteConf(name="opencode-*", hosts=("a", "b"), default_model="m", queue=False)}
+    resolved = resolve("POST", "/opencode-x-42/v1/chat/completions", None, routes)
+    assert resolved.route == RouteConf(name="opencode-x-42", hosts=("a", "b"), default_model="m", queue=False)
+    assert routes["opencode-*"].name == "opencode-*"
+
+
+@pytest.mark.parametrize(
+    ("method", "raw_path", "header", "message"),
+    [
+        ("POST", CHAT, None, "no route: put the route in the path"),
+        ("POST", CHAT, "", "no route: put the route in the path"),
+        ("GET", "/health", None, "no route"),
+        ("POST", CHAT, "nope", "unknown route 'nope'"),
+        ("POST", "/nope/v1/chat/completions", None, "unknown route 'nope'"),
+        ("POST", "/opencode-a/v1/foo", None, "path not allowed: POST /v1/foo"),
+        ("POST", "/opencode-a/v1/chat/completions/x", None, "path not allowed: POST /v1/chat/completions/x"),
+        ("GET", "/opencode-a/v1/chat/completions", None, "path not allowed: GET /v1/chat/completions"),
+        ("POST", "/opencode-a/health", None, "path not allowed: POST /health"),
+        ("DELETE", "/opencode-a/v1/models", None, "path not allowed: DELETE /v1/models"),
+        ("GET", CHAT, "opencode-a", "path not allowed: GET /v1/chat/completions"),
+        ("GET", "/opencode-a", None, "path not allowed: GET /"),
+        ("GET", "/opencode-a/", None, "path not allowed: GET /"),
+        ("GET", "/opencode-a/slots", None, "path not allowed: GET /slots"),
+        ("GET", "/opencode-a/metrics", None, "path not allowed: GET /metrics"),
+        ("GET", "/opencode-a/_crossbar/hosts", None, "path not allowed: GET /_crossbar/hosts"),
+        ("GET", "/%2e%2e/_crossbar/hosts", None, "unknown route '%2e%2e'"),
+        ("GET", "/opencode-a/../_crossbar/hosts", None, "path not allowed: GET /../_crossbar/hosts"),
+        ("GET", "/opencode-a/%2e%2e/health", None, "path not allowed: GET /%2e%2e/health"),
+        ("GET", "/../health", None, "unknown route '..'"),
+        ("GET", "/./health", None, "unknown route '.'"),
+        ("POST", "//v1/chat/completions", None, "unknown route ''"),
+        ("POST", "", None, "path not allowed"),
+        ("POST", "v1/chat/completions", "opencode-a", "path not allowed"),
+        ("POST", "*", None, "path not allowed"),
+        ("POST", "http://evil/v1/chat/completions", "opencode-a", "path not allowed"),
+        ("GET", "/", None, "unknown route ''"),
+        # a name that looks like a template is not a route name
+        ("POST", "/opencode-*/v1/chat/completions", None, "unknown route 'opencode-*'"),
+        ("POST", CHAT, "*", "unknown route '*'"),
+        ("POST", CHAT, "tmp", "unknown route 'tmp'"),  # "*-tmp" needs more
+        ("POST", "/-lead/v1/chat/completions", None, "unknown route '-lead'"),
+        ("POST", "/.hidden/v1/chat/completions", None, "unknown route '.hidden'"),
+    ],
+)
+def test_resolve_404(method: str, raw_path: str, header: str | None, message: str) -> None:
+    with pytest.raises(CrossbarError) as info:
+        resolve(method, raw_path, header, ROUTES)
+    assert info.value.status == 404
+    assert message in info.value.message
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "a\r\nX-Injected: y",
+        "a\nb",
+        "a\x00b",
+        "a\x1b[31mred",
+        "a b",
+        "a/b",
+        "a" * 129,
+        "a" * 100_000,
+        "é",
+        "opencode-\u2028x",
+        "opencode-é",
+        "\ufeffopencode-a",
+        "opencode-a\n",
+        " opencode-a",
+    ],
+)
+def test_resolve_hostile_route_names(hostile: str) -> None:
+    for header, raw_path in ((hostile, CHAT), (None, f"/{hostile}/v1/chat/completions")):
+        if header is None and "/" in hostile:
+            continue
+        with pytest.raises(CrossbarError) as info:
+            resolve("POST", raw_path, header, ROUTES)
+        error = info.value
+        assert error.status == 404
+        assert error.message.startswith("unknown route ")
+        assert error.message.isprintable()
+        assert not any(ch in error.message for ch in "\r\n\x00\x1b\u2028")
+        assert len(error.message) < 200
+        json.loads(error.body())
+
+
+def test_resolve_hostile_path_not_echoed_raw() -> None:
+    with pytest.raises(CrossbarError) as info:
+        resolve("GET", "/opencode-a/x\r\nSet-Cookie: a=b", None, ROUTES)
+    assert info.value.status == 404
+    assert "\r" not in info.value.message and "\n" not in info.value.message
+    with pytest.raises(CrossbarError) as info:
+        resolve("GET\r\n", "/opencode-a/health", None, ROUTES)
+    assert "\r" not in info.value.message
+
+
+def test_allowed_tables() -> None:
+    assert len(ALLOWED) == 6
+    assert {path for method, path in ALLOWED if method == "POST"} == COMPLETION_PATHS
+
+
+# ---------------------------------------------------------------- match_route
+
+
+@pytest.mark.parametrize(
+    ("names", "query", "expected_template"),
+    [
+        (("opencode-a", "opencode-*"), "opencode-a", "opencode-a"),
+        (("opencode-*",), "opencode-a", "opencode-*"),
+        (("opencode-*",), "opencode-", None),  # '*' needs at least one character
+        (("opencode-*",), "opencode", None),
+        (("opencode-*",), "xopencode-a", None),
+        (("*",), "anything.goes_1-2", "*"),
+        (("*", "opencode-*"), "opencode-a", "opencode-*"),
+        (("opencode-*", "*"), "opencode-a", "opencode-*"),
+        (("opencode-*", "opencode-*-x"), "opencode-foo-x", "opencode-*-x"),
+        (("opencode-*-x", "opencode-*"), "opencode-foo-x", "opencode-*-x"),
+        (("opencode-*-x", "opencode-*"), "opencode-foo-y", "opencode-*"),
+        # ties on literal length go to config order
+        (("a*", "*b"), "ab", "a*"),
+        (("*b", "a*"), "ab", "*b"),
+        (("a*", "*b"), "axb", "a*"),
+        (("*b", "a*"), "axb", "*b"),
+        (("a*b",), "ab", None),  # each '*' needs a character
+        (("a*c*e",), "abcde", "a*c*e"),
+        (("a*c*e",), "ace", None),
+        (("a*c*e",), "abccce", "a*c*e"),
+        (("*.*",), "dir.123", "*.*"),
+        (("*.*",), "dir123", None),
+        (("**",), "ab", "**"),
+        (("**",), "a", None),
+        (("*-*-*",), "x-y-z", "*-*-*"),
+        (("*-*-*",), "x-y", None),
+        (("opencode-*",), "opencode-a\n", None),
+        (("opencode-*",), "opencode-a/b", None),
+        (("x",), "", None),
+    ],
+)
+def test_match_route(names: tuple[str, ...], query: str, expected_template: str | None) -> None:
+    routes = _routes(*names)
+    route = match_route(query, routes)
+    if expected_template is None:
+        assert route is None
+        return
+    assert route is not None
+    assert route.name == query
+    assert route.default_model == f"dm-{expected_template}"
+
+
+@pytest.mark.parametrize(
+    ("template", "name", "expected"),
+    [
+        ("a*", "a", False),
+        ("a*", "ab", True),
+        ("*a", "aaaa", True),
+        ("*a*a*a*b", "a" * 120, False),
+        ("*a*a*a*b", "a" * 120 + "b", True),
+        ("abc", "abc", True),
+        ("abc", "abd", False),
+    ],
+)
+def test_template_matches(template: str, name: str, expected: bool) -> None:
+    assert template_matches(template, name) is expected
+
+
+# ---------------------------------------------------------------- peek_body
+
+
+def _chat(**fields: Any) -> bytes:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+    body.update(fields)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "expected"),
+    [
+        (_chat(), CHAT, {"model": "dm", "stream": False, "include_usage": False, "n_messages": 1}),
+        (_chat(model="m1"), CHAT, {"model": "m1"}),
+        (_chat(stream=True), CHAT, {"stream": True, "include_usage": False}),
+        (_chat(stream=False), CHAT, {"stream": False}),
+        (_chat(stream=True, stream_options={"include_usage": True}), CHAT, {"include_usage": True}),
+        (_chat(stream=True, stream_options={"include_usage": False}), CHAT, {"include_usage": False}),
+        (_chat(stream=True, stream_options={"include_usage": 1}), CHAT, {"include_usage": False}),
+        (_chat(stream=True, stream_options={}), CHAT, {"include_usage": False}),
+        (_chat(messages=[]), CHAT, {"n_messages": 0, "fingerprint": "", "prompt_bytes": 0}),
+        (_chat(messages=[{"role": "user", "content": "hé"}]), CHAT, {"prompt_bytes": 4 + 3}),
+        (
+            _chat(messages=[{"role": "system", "content": "ab"}, {"role": "user", "content": None}]),
+            CHAT,
+            {"prompt_bytes": 6 + 2 + 4, "n_messages": 2},
+        ),
+        (
+            _chat(messages=[{"role": "assistant", "tool_calls": []}]),
+            CHAT,
+            {"prompt_bytes": 9, "fingerprint": ""},
+        ),
+        (
+            _chat(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "ab"},
+                            {"type": "image_url", "image_url": {"url": "data:..."}},
+                            {"type": "text", "text": "c"},
+                        ],
+                    }
+                ]
+            ),
+            CHAT,
+            {
+                "prompt_bytes": 4 + len("ab\nc"),
+                "fingerprint": fingerprint([{"role": "user", "content": "ab\nc"}]),
+            },
+        ),
+        (b'{"prompt": "hello"}', "/v1/completions", {"prompt_bytes": 5, "fingerprint": "", "n_messages": 0}),
+        (b'{"prompt": ["ab", "cd", [1, 2], 3]}', "/v1/completions", {"prompt_bytes": 4}),
+        (
+            b'{"prompt": "x", "model": "m2", "stream": true}',
+            "/v1/completions",
+            {"model": "m2", "stream": True},
+        ),
+        (b'{"input": "hello"}', "/v1/embeddings", {"prompt_bytes": 5}),
+        (b'{"input": ["a", "bb"]}', "/v1/embeddings", {"prompt_bytes": 3}),
+        (b'{"input": [[1, 2]]}', "/v1/embeddings", {"prompt_bytes": 0}),
+        # GET paths: the body is not parsed
+        (None, "/v1/models", {"model": "dm", "stream": False, "n_messages": 0}),
+        (b"not json", "/health", {"model": "dm"}),
+        # duplicate keys: the last one wins, like Python's json
+        (b'{"messages": [], "model": "a", "model": "b"}', CHAT, {"model": "b"}),
+        # whitespace around the object is fine
+        (b' \n\t{"messages": []}\r\n', CHAT, {"n_messages": 0}),
+    ],
+)
+def test_peek_body_ok(raw: bytes | None, path: str, expected: dict[str, Any]) -> None:
+    peek = peek_body(raw, path, "dm", MIB)
+    for key, value in expected.items():
+        assert getattr(peek, key) == value, key
+
+
+def test_peek_body_default_model_empty() -> None:
+    assert peek_body(_chat(), CHAT, "", MIB).model == ""
+
+
+def test_peek_body_fingerprint_matches_function() -> None:
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}]
+    peek = peek_body(json.dumps({"messages": messages}).encode(), CHAT, "", MIB)
+    assert peek == BodyPeek("", False, False, fingerprint(messages), 6 + 3 + 4 + 5, 2)
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "message"),
+    [
+        (None, CHAT, "request body must be a JSON object"),
+        (b"", CHAT, "request body must be a JSON object"),
+        (b"", "/v1/embeddings", "request body must be a JSON object"),
+        (b"\xff\xfe{}", CHAT, "request body is not valid UTF-8"),
+        (b'{"messages": [], "model": "\xc3"}', CHAT, "request body is not valid UTF-8"),
+        (b'{"a": "\xed\xa0\x80"}', CHAT, "request body is not valid UTF-8"),  # encoded surrogate
+        ('{"messages": []}'.encode("utf-16"), CHAT, "request body is not valid UTF-8"),
+        (b"\xef\xbb\xbf{}", CHAT, "request body is not valid JSON"),  # a BOM
+        (b"{", CHAT, "request body is not valid JSON: "),
+        (b"{}}", CHAT, "request body is not valid JSON: "),
+        (b"{'a': 1}", CHAT, "request body is not valid JSON: "),
+        (b"   ", CHAT, "request body is not valid JSON: "),
+        (b"[" * 100_000, CHAT, "request body is not valid JSON"),
+        (b'{"a":' * 100_000, CHAT, "request body is not valid JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, CHAT, "request body is not valid JSON"),
+        (b'{"messages": [], "x": NaN}', CHAT, "request body is not valid JSON: NaN is not allowed"),
+        (b'{"messages": [], "x": Infinity}', CHAT, "request body is not valid JSON: Infinity"),
+        (b'{"messages": [], "x": -Infinity}', CHAT, "request body is not valid JSON: -Infinity"),
+        (b'{"messages": [], "x": ' + b"9" * 5000 + b"}", CHAT, "request body is not valid JSON: a number"),
+        (b"[]", CHAT, "request body must be a JSON object"),
+        (b'"x"', CHAT, "request body must be a JSON object"),
+        (b"null", CHAT, "request body must be a JSON object"),
+        (b"1", CHAT, "request body must be a JSON object"),
+        (_chat(model=""), CHAT, "'model' must be a non-empty string"),
+        (_chat(model=None), CHAT, "'model' must be a non-empty string"),
+        (_chat(model=3), CHAT, "'model' must be a non-empty string"),
+        (_chat(model=["m"]), CHAT, "'model' must be a non-empty string"),
+        (_chat(stream="true"), CHAT, "'stream' must be a boolean"),
+        (_chat(stream=1), CHAT, "'stream' must be a boolean"),
+        (_chat(stream=None), CHAT, "'stream' must be a boolean"),
+        (_chat(stream_options=True), CHAT, "'stream_options' must be an object"),
+        (_chat(stream_options=[]), CHAT, "'stream_options' must be an object"),
+        (b"{}", CHAT, "'messages' must be a list"),
+        (_chat(messages={"role": "user"}), CHAT, "'messages' must be a list"),
+        (_chat(messages="hi"), CHAT, "'messages' must be a list"),
+        (_chat(messages=[{"role": "user", "content": "a"}, "x"]), CHAT, "messages[1] must be an object"),
+        (_chat(messages=[None]), CHAT, "messages[0] must be an object"),
+        (_chat(messages=[{"content": "a"}]), CHAT, "messages[0].role must be a string"),
+        (_chat(messages=[{"role": 1, "content": "a"}]), CHAT, "messages[0].role must be a string"),
+        (
+            _chat(messages=[{"role": "user", "content": 5}]),
+            CHAT,
+            "messages[0].content must be a string, a list of parts or null",
+        ),
+        (
+            _chat(messages=[{"role": "user", "content": {"type": "text", "text": "a"}}]),
+            CHAT,
+            "messages[0].content must be a string, a list of parts or null",
+        ),
+        (
+            _chat(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": ["a"]}]),
+            CHAT,
+            "messages[1].content must be a string, a list of parts or null",
+        ),
+        (
+            _chat(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+            CHAT,
+            "messages[0].content[0].text must be a string",
+        ),
+        (b"{}", "/v1/completions", "'prompt' must be a string or a list"),
+        (b'{"prompt": 5}', "/v1/completions", "'prompt' must be a string or a list"),
+        (b'{"prompt": null}', "/v1/completions", "'prompt' must be a string or a list"),
+        (b"{}", "/v1/embeddings", "'input' must be a string or a list"),
+        (b'{"input": {"a": 1}}', "/v1/embeddings", "'input' must be a string or a list"),
+    ],
+)
+def test_peek_body_400(raw: bytes | None, path: str, message: str) -> None:
+    with pytest.raises(CrossbarError) as info:
+        peek_body(raw, path, "dm", MIB)
+    assert info.value.status == 400
+    assert info.value.message.startswith(message)
+
+
+def test_peek_body_error_messages_never_echo_the_body() -> None:
+    secret = "sekrit-\r\n-value"
+    bad = [
+        json.dumps({"messages": [{"role": "user", "content": 5}], "x": secret}).encode(),
+        json.dumps({"model": 5, "x": secret}).encode(),
+        b'{"x": "' + secret.encode()[:7] + b"\xff",
+        b'{"sekrit": ',
+        b"sekrit",
+    ]
+    for raw in bad:
+        with pytest.raises(CrossbarError) as info:
+            peek_body(raw, CHAT, "", MIB)
+        assert "sekrit" not in info.value.message
+        assert "\n" not in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("size", "limit", "status"),
+    [(100, 99, 413), (100, 100, 400), (MIB + 1, MIB, 413)],
+)
+def test_peek_body_size(size: int, limit: int, status: int) -> None:
+    raw = b"x" * size
+    with pytest.raises(CrossbarError) as info:
+        peek_body(raw, CHAT, "", limit)
+    assert info.value.status == status
+    if status == 413:
+        assert info.value.message == (f"request body is {size} bytes; the limit (max_body) is {limit} bytes")
+
+
+def test_peek_body_size_applies_to_get_paths_too() -> None:
+    with pytest.raises(CrossbarError) as info:
+        peek_body(b"x" * 10, "/v1/models", "", 5)
+    assert info.value.status == 413
+
+
+# ---------------------------------------------------------------- fingerprint
+
+
+def _fp(*messages: tuple[str, Any]) -> str:
+    return fingerprint([{"role": role, "content": content} for role, content in messages])
+
+
+def test_fingerprint_stable_across_turns() -> None:
+    first = [("system", "You are terse."), ("user", "Write a poem.")]
+    turns = [
+        first,
+        [*first, ("assistant", "Roses...")],
+        [*first, ("assistant", "Roses..."), ("user", "Another."), ("assistant", "Violets...")],
+        [*first, ("assistant", None), ("tool", "42"), ("user", "More"), ("system", "late system")],
+    ]
+    fps = {_fp(*turn) for turn in turns}
+    assert len(fps) == 1
+    (fp,) = fps
+    assert len(fp) == 64 and int(fp, 16) >= 0
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ((("user", "hello"),), (("user", "hello!"),), False),
+        ((("system", "s"), ("user", "u")), (("system", "s2"), ("user", "u")), False),
+        ((("system", "s"), ("user", "u")), (("developer", "s"), ("user", "u")), True),
+        ((("system", "s"), ("user", "u")), (("user", "u"), ("system", "s")), True),
+        ((("system", "s"), ("user", "u")), (("user", "u"),), False),
+        ((("user", "u"),), (("system", ""), ("user", "u")), True),
+        # no ambiguity between where system ends and user begins
+        ((("system", "a"), ("user", "bc")), (("system", "ab"), ("user", "c")), False),
+        ((("system", "a\0user\0b"), ("user", "c")), (("system", "a"), ("user", "b\0user\0c")), False),
+        ((("system", "u"),), (("user", "u"),), False),
+        # only the first 4 KiB of each text matters
+        ((("user", "x" * 4096 + "A"),), (("user", "x" * 4096 + "B"),), True),
+        ((("user", "x" * 4095 + "A"),), (("user", "x" * 4095 + "B"),), False),
+        ((("system", "s" * 5000 + "1"), ("user", "u")), (("system", "s" * 5000 + "2"), ("user", "u")), True),
+        # multi-byte characters count in bytes: 2048 x "é" is exactly 4096 bytes
+        ((("user", "é" * 2048 + "A"),), (("user", "é" * 2048 + "B"),), True),
+        ((("user", "é" * 2047 + "A"),), (("user", "é" * 2047 + "B"),), False),
+        # list of parts hashes as its text parts joined with "\n"
+        (
+            (("user", [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]),),
+            (("user", "ab\ncd"),),
+            True,
+        ),
+        (
+            (("user", [{"type": "text", "text": "ab"}, {"type": "image_url", "image_url": {"url": "x"}}]),),
+            (("user", "ab"),),
+            True,
+        ),
+        (
+            (("user", [{"type": "text", "text": "x" * 3000}, {"type": "text", "text": "y" * 3000 + "A"}]),),
+            (("user", "x" * 3000 + "\n" + "y" * 3000 + "B"),),
+            True,
+        ),
+        ((("user", None),), (("user", ""),), True),
+        ((("user", None),), (("user", []),), True),
+    ],
+)
+def test_fingerprint_table(
+    a: tuple[tuple[str, Any], ...], b: tuple[tuple[str, Any], ...], same: bool
+) -> None:
+    assert (_fp(*a) == _fp(*b)) is same
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        [{"role": "system", "content": "s"}],
+        [{"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}],
+        [{"content": "no role"}],
+        ["not a mapping", 3, None],
+    ],
+)
+def test_fingerprint_no_user(messages: list[Any]) -> None:
+    assert fingerprint(messages) == ""
+
+
+def test_fingerprint_tolerates_odd_shapes() -> None:
+    odd = [
+        {"role": ["x"]},
+        {"role": "user", "content": [1, {"type": "text", "text": 2}, {"text": "no type"}]},
+    ]
+    assert fingerprint(odd) == _fp(("user", ""))
+
+
+# ---------------------------------------------------------------- estimate
+
+
+@pytest.mark.parametrize(
+    ("prompt_bytes", "kwargs", "expected"),
+    [
+        (0, {}, 0),
+        (-5, {}, 0),
+        (4, {}, 2),  # 1 token x 1.2 rounded up
+        (1000, {}, 300),
+        (1001, {}, 301),
+        (1000, {"bytes_per_token": 2.0}, 600),
+        (1000, {"margin": 1.0}, 250),
+        (3, {"margin": 1.0}, 1),
+    ],
+)
+def test_estimate_prompt_tokens(prompt_bytes: int, kwargs: dict[str, float], expected: int) -> None:
+    assert estimate_prompt_tokens(prompt_bytes, **kwargs) == expected
+
+
+@pytest.mark.parametrize("bytes_per_token", [0.0, -1.0, float("nan"), float("inf")])
+def test_estimate_prompt_tokens_bad_ratio(bytes_per_token: float) -> None:
+    with pytest.raises(ValueError):
+        estimate_prompt_tokens(10, bytes_per_token=bytes_per_token)
+
+
+# ---------------------------------------------------------------- properties
+
+_json_scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+_json_values = st.recursive(
+    _json_scalars,
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
+    ),
+    max_leaves=30,
+)
+_message = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | _json_values,
+        "content": st.text(max_size=30)
+        | st.none()
+        | st.lists(
+            st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]) | _json_values})
+            | st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10) | _json_values})
+            | _json_values,
+            max_size=4,
+        )
+        | _json_values,
+    },
+)
+_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.text(max_size=10) | _json_values,
+        "stream": st.booleans() | _json_values,
+        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": _json_values}) | _json_values,
+        "messages": st.lists(_message | _json_values, max_size=5) | _json_values,
+        "prompt": _json_values,
+        "input": _json_values,
+    },
+)
+_paths = st.sampled_from([*sorted(COMPLETION_PATHS), "/v1/models", "/health"])
+
+
+def _peek_or_crossbar_error(raw: bytes, path: str) -> None:
+    try:
+        peek = peek_body(raw, path, "dm", 4096)
+    except CrossbarError as e:
+        assert e.status in (400, 413)
+        assert "\n" not in e.message
+        return
+    assert isinstance(peek, BodyPeek)
+    assert peek.prompt_bytes >= 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.binary(max_size=300), path=_paths)
+def test_peek_body_arbitrary_bytes(raw: bytes, path: str) -> None:
+    _peek_or_crossbar_error(raw, path)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_json_values, path=_paths)
+def test_peek_body_arbitrary_json(value: Any, path: str) -> None:
+    _peek_or_crossbar_error(json.dumps(value).encode(), path)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_bodies, path=_paths)
+def test_peek_body_body_shaped_json(value: dict[str, Any], path: str) -> None:
+    _peek_or_crossbar_error(json.dumps(value).encode(), path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(method=st.text(max_size=8), raw_path=st.text(max_size=60), header=st.none() | st.text(max_size=40))
+def test_resolve_arbitrary_input(method: str, raw_path: str, header: str | None) -> None:
+    try:
+        resolved = resolve(method, raw_path, header, ROUTES)
+    except CrossbarError as e:
+        assert e.status == 404
+        assert e.message.isprintable()
+        return
+    assert (method, resolved.path) in ALLOWED
+    assert not resolved.route.is_template

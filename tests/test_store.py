@@ -1,0 +1,453 @@
+"""crossbar.store against real SQLite files and a real writer thread."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import URL
+
+import crossbar.store as store_mod
+from crossbar.store import Store, StoreError
+
+DAY = 86400.0
+T0 = 1_780_000_000.0  # some fixed UTC instant, well inside a day
+
+
+def request(**over: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "route": "r1",
+        "fp": "fp1",
+        "model": "m1",
+        "host": "alpha",
+        "started": T0,
+        "queued_ms": 2,
+        "ttfb_ms": 30,
+        "total_ms": 100,
+        "status": 200,
+        "streamed": True,
+        "prompt_tokens": 50,
+        "cached_tokens": 40,
+        "completion_tokens": 10,
+        "err": None,
+        "decision": "reused",
+    }
+    row.update(over)
+    return row
+
+
+def raw(path: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "crossbar.db"
+
+
+@pytest.fixture
+def store(db_path: Path) -> Iterator[Store]:
+    s = Store(str(db_path))
+    s.open()
+    s.start()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def fast_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short busy timeout so lock tests see several failed attempts quickly."""
+    monkeypatch.setattr(store_mod, "BUSY_TIMEOUT_MS", 50)
+
+
+# -- schema -----------------------------------------------------------------------------------
+
+
+def test_open_creates_directory_tables_and_wal(store: Store, db_path: Path) -> None:
+    names = {r[0] for r in raw(db_path, "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"leases", "lease_events", "requests", "host_health", "requests_daily"} <= names
+    assert raw(db_path, "PRAGMA journal_mode") == [("wal",)]
+    indexes = {r[0] for r in raw(db_path, "SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert {"ix_lease_events_ts", "ix_requests_started", "ix_requests_route_started"} <= indexes
+    assert "ix_requests_host_started" in indexes
+
+
+def test_no_table_has_a_body_column(store: Store, db_path: Path) -> None:
+    for table in ("leases", "lease_events", "requests", "host_health", "requests_daily"):
+        columns = {r[1] for r in raw(db_path, f"PRAGMA table_info({table})")}
+        assert not {c for c in columns if "body" in c or "content" in c or "messages" in c}
+
+
+def test_open_on_impossible_path_raises_store_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StoreError, match="cannot create directory") as info:
+        Store(str(blocker / "sub" / "crossbar.db")).open()
+    assert "\n" not in str(info.value)
+    with pytest.raises(StoreError, match="cannot open database"):
+        Store(str(tmp_path)).open()  # a directory is not a database file
+
+
+# -- leases -----------------------------------------------------------------------------------
+
+
+def test_leases_round_trip_including_pin_rows(store: Store) -> None:
+    store.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0 + 1)
+    store.save_lease("r1", "", "", "beta", "pinned", T0, T0)
+    assert store.flush()
+    rows = {(r.route, r.fp, r.model): r for r in store.load_leases()}
+    assert set(rows) == {("r1", "fp1", "m1"), ("r1", "", "")}
+    pin = rows["r1", "", ""]
+    assert (pin.host, pin.state, pin.created) == ("beta", "pinned", T0)
+    lease = rows["r1", "fp1", "m1"]
+    assert (lease.host, lease.state, lease.last_used) == ("alpha", "active", T0 + 1)
+
+
+def test_upsert_updates_last_used_and_host(store: Store) -> None:
+    store.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
+    assert store.flush()
+    store.save_lease("r1", "fp1", "m1", "beta", "active", T0, T0 + 60)
+    assert store.flush()
+    [row] = store.leases()
+    assert (row.host, row.created, row.last_used) == ("beta", T0, T0 + 60)
+
+
+def test_delete_lease(store: Store) -> None:
+    store.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
+    store.save_lease("r1", "fp2", "m1", "alpha", "active", T0, T0)
+    assert store.flush()
+    store.delete_lease("r1", "fp1", "m1")
+    assert store.flush()
+    assert [(r.route, r.fp) for r in store.leases()] == [("r1", "fp2")]
+
+
+def test_last_operation_on_a_key_wins_within_one_batch(db_path: Path) -> None:
+    s = Store(str(db_path))
+    s.open()
+    # enqueued before the writer starts, so all of them land in one batch
+    for i in range(5):
+        s.save_lease("r1", "gone", "m1", "alpha", "active", T0, T0 + i)
+    s.delete_lease("r1", "gone", "m1")
+    s.delete_lease("r1", "back", "m1")
+    s.save_lease("r1", "back", "m1", "beta", "active", T0, T0 + 9)
+    s.start()
+    assert s.flush()
+    assert [(r.fp, r.host, r.last_used) for r in s.leases()] == [("back", "beta", T0 + 9)]
+    s.close()
+
+
+def test_close_flushes_and_a_new_store_loads_the_leases(db_path: Path) -> None:
+    first = Store(str(db_path))
+    first.open()
+    first.start()
+    first.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0 + 5)
+    first.save_lease("r2", "", "", "beta", "pinned", T0, T0)
+    first.record_request(request())
+    first.close()
+    first.close()  # idempotent
+    assert first.pending == 0
+
+    second = Store(str(db_path))
+    second.open()
+    loaded = sorted((r.route, r.fp, r.model, r.host, r.state) for r in second.load_leases())
+    assert loaded == [("r1", "fp1", "m1", "alpha", "active"), ("r2", "", "", "beta", "pinned")]
+    assert len(second.requests_since(0)) == 1
+    second.close()
+
+
+def test_close_without_start_writes_what_was_enqueued(db_path: Path) -> None:
+    s = Store(str(db_path))
+    s.open()
+    s.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
+    s.close()
+    assert raw(db_path, "SELECT host FROM leases") == [("alpha",)]
+
+
+# -- events, requests, health -----------------------------------------------------------------
+
+
+def test_lease_events_newest_first(store: Store) -> None:
+    for i in range(5):
+        store.record_event(T0 + i, "r1", "fp1", "m1", None if i == 0 else "alpha", "beta", "new")
+    assert store.flush()
+    events = store.lease_events(limit=3)
+    assert [e.ts for e in events] == [T0 + 4, T0 + 3, T0 + 2]
+    assert store.lease_events()[-1].from_host is None
+
+
+def test_ten_thousand_requests_from_several_threads_all_land(store: Store, db_path: Path) -> None:
+    per_thread, threads = 2500, 4
+    spent: list[float] = []
+
+    def work(n: int) -> None:
+        begin = time.perf_counter()
+        for i in range(per_thread):
+            store.record_request(request(route=f"r{n}", started=T0 + i))
+        spent.append(time.perf_counter() - begin)
+
+    workers = [threading.Thread(target=work, args=(n,)) for n in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert store.flush(timeout=30)
+    assert raw(db_path, "SELECT count(*) FROM requests") == [(10_000,)]
+    assert store.written >= 10_000 and store.errors == 0 and store.pending == 0
+    assert sum(spent) / 10_000 < 0.001  # generous: an enqueue is a lock and an append
+
+
+def test_null_token_figures_stay_null(store: Store) -> None:
+    store.record_request(
+        request(prompt_tokens=None, cached_tokens=None, completion_tokens=None, ttfb_ms=None, status=None)
+    )
+    store.record_request({"route": "r2", "fp": "", "model": "m1", "started": T0, "total_ms": 5})
+    assert store.flush()
+    first, second = store.requests_since(0)
+    assert (first.prompt_tokens, first.cached_tokens, first.completion_tokens) == (None, None, None)
+    assert (first.ttfb_ms, first.status) == (None, None)
+    assert (second.host, second.prompt_tokens, second.err, second.decision) == (None, None, None, None)
+    assert (second.queued_ms, second.streamed) == (0, False)
+
+
+def test_requests_since_filters(store: Store) -> None:
+    store.record_request(request(started=T0 - 10))
+    store.record_request(request(started=T0))
+    assert store.flush()
+    assert [r.started for r in store.requests_since(T0)] == [T0]
+
+
+def test_a_bad_row_never_raises_and_is_counted(store: Store) -> None:
+    store.record_request(request(started="not a time"))
+    assert store.dropped == 1
+    assert store.flush()
+    assert store.requests_since(0) == []
+
+
+def test_a_row_the_database_refuses_is_isolated_and_the_rest_land(db_path: Path) -> None:
+    s = Store(str(db_path))
+    s.open()
+    s.record_request(request(route="before"))
+    s.save_lease("r1", "fp1", "m1", None, "active", T0, T0)  # type: ignore[arg-type]  # NOT NULL
+    s.record_request(request(route="after"))
+    s.start()
+    assert s.flush()
+    assert sorted(r.route for r in s.requests_since(0)) == ["after", "before"]
+    assert (s.dropped, s.errors >= 1, s.leases()) == (1, True, [])
+    s.close()
+
+
+def test_health_and_uptime(store: Store) -> None:
+    for i, ok in enumerate([True, True, True, False]):
+        store.record_health(T0 + i, "alpha", ok, ["m1", "m2"])
+    store.record_health(T0, "beta", False, [])
+    store.record_health(T0 - 100, "gamma", True, [])
+    assert store.flush()
+    assert store.host_uptime(T0) == {"alpha": 0.75, "beta": 0.0}
+    assert raw(store_path(store), "SELECT loaded_models FROM host_health LIMIT 1") == [('["m1", "m2"]',)]
+
+
+def store_path(s: Store) -> Path:
+    return Path(s.path)
+
+
+# -- a failing database -----------------------------------------------------------------------
+
+
+def test_locked_database_never_blocks_callers_and_nothing_is_lost(
+    monkeypatch: pytest.MonkeyPatch, db_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(store_mod, "BUSY_TIMEOUT_MS", 1000)  # the writer waits 1 s per attempt
+    caplog.set_level(logging.WARNING, logger="crossbar.store")
+    store = Store(str(db_path))
+    store.open()
+    store.start()
+    locker = sqlite3.connect(db_path, isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        slowest, total = 0.0, 0.0
+        for i in range(200):
+            begin = time.perf_counter()
+            store.record_request(request(started=T0 + i))
+            store.save_lease("r1", f"fp{i}", "m1", "alpha", "active", T0, T0)
+            spent = time.perf_counter() - begin
+            slowest, total = max(slowest, spent), total + spent
+        assert total / 400 < 0.001 and slowest < 0.25  # callers never wait out the busy timeout
+        assert wait_until(lambda: store.errors >= 2)
+        assert not store.flush(timeout=0.2)
+        assert store.pending > 0
+        assert "locked" in store.last_error
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    assert store.flush(timeout=10)
+    assert raw(db_path, "SELECT count(*) FROM requests") == [(200,)]
+    assert len(store.leases()) == 200
+    assert store.dropped == 0
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1  # one warning per failure burst, not per attempt or row
+    store.close()
+
+
+def test_read_only_database_counts_errors_without_raising(fast_busy: None, db_path: Path) -> None:
+    Store(str(db_path)).open()  # the file exists, with its tables
+    s = Store(str(db_path))
+    # root ignores chmod, so open the writer's connection read-only instead (the test hook)
+    s._writer_url = lambda: URL.create(  # type: ignore[method-assign]
+        "sqlite", database=f"file:{db_path}", query={"mode": "ro", "uri": "true"}
+    )
+    s.open()
+    s.start()
+    s.record_request(request())
+    s.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
+    assert wait_until(lambda: s.errors >= 2)
+    assert "readonly" in s.last_error
+    assert not s.flush(timeout=0.2)
+    assert s.pending == 2 and s.dropped == 0
+    s.close(timeout=0.5)  # gives up on the rows, never raises
+    s.record_request(request())  # after close: still no exception
+    assert raw(db_path, "SELECT count(*) FROM requests") == [(0,)]
+
+
+def test_directory_gone_then_back(fast_busy: None, store: Store, db_path: Path) -> None:
+    store.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
+    assert store.flush()
+    shutil.rmtree(db_path.parent)
+    store.record_request(request())
+    store.save_lease("r1", "fp2", "m1", "alpha", "active", T0, T0)
+    assert wait_until(lambda: store.errors >= 2)
+    assert "gone" in store.last_error or "unable to open" in store.last_error
+    assert not store.flush(timeout=0.2)
+    db_path.parent.mkdir()
+    assert store.flush(timeout=10)  # the schema is recreated and the kept rows land
+    assert raw(db_path, "SELECT count(*) FROM requests") == [(1,)]
+    assert raw(db_path, "SELECT fp FROM leases") == [("fp2",)]
+    assert raw(db_path, "PRAGMA journal_mode") == [("wal",)]
+
+
+def test_beyond_max_pending_oldest_rows_are_dropped_never_leases(db_path: Path) -> None:
+    s = Store(str(db_path), max_pending=10)
+    s.open()  # writer not started: everything stays pending
+    for i in range(5):
+        s.save_lease("r1", f"fp{i}", "m1", "alpha", "active", T0, T0)
+    for i in range(20):
+        s.record_request(request(started=T0 + i))
+    for i in range(5, 12):
+        s.save_lease("r1", f"fp{i}", "m1", "alpha", "active", T0, T0)
+    assert (s.pending, s.dropped) == (12, 20)  # leases alone may exceed the cap
+    s.record_request(request(started=T0 + 99))  # with no room left, even the newest row goes
+    assert (s.pending, s.dropped) == (12, 21)
+    s.start()
+    assert s.flush()
+    assert len(s.leases()) == 12
+    assert s.requests_since(0) == []
+    s.close()
+
+
+def test_dropping_keeps_the_newest_rows(db_path: Path) -> None:
+    s = Store(str(db_path), max_pending=8)
+    s.open()
+    for i in range(3):
+        s.save_lease("r1", f"fp{i}", "m1", "alpha", "active", T0, T0)
+    for i in range(20):
+        s.record_request(request(started=T0 + i))
+    assert (s.pending, s.dropped) == (8, 15)
+    s.start()
+    assert s.flush()
+    assert [r.started for r in s.requests_since(0)] == [T0 + i for i in range(15, 20)]
+    assert len(s.leases()) == 3
+    s.close()
+
+
+# -- accounting -------------------------------------------------------------------------------
+
+
+def fill_usage(s: Store) -> None:
+    s.record_request(request(route="r1", model="m1", host="alpha", started=T0))
+    s.record_request(request(route="r1", model="m2", host="beta", started=T0 + 1, status=500))
+    s.record_request(request(route="r2", model="m1", host="alpha", started=T0 + 2, err="cut"))
+    s.record_request(
+        request(route="r2", model="m1", host=None, started=T0 + 3, status=None, prompt_tokens=None)
+    )
+    s.record_request(request(route="r3", model="m1", host="alpha", started=T0 - DAY))  # older
+    assert s.flush()
+
+
+def by_key(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["key"]: {k: v for k, v in r.items() if k != "key"} for r in rows}
+
+
+def test_usage_by_route_model_and_host(store: Store) -> None:
+    fill_usage(store)
+    routes = store.usage(T0, "route")
+    assert [r["key"] for r in routes] == ["r1", "r2"]
+    assert by_key(routes)["r1"] == {
+        "requests": 2,
+        "errors": 1,
+        "busy_ms": 200,
+        "queued_ms": 4,
+        "prompt_tokens": 100,
+        "cached_tokens": 80,
+        "completion_tokens": 20,
+    }
+    assert by_key(routes)["r2"]["errors"] == 2
+    assert by_key(routes)["r2"]["prompt_tokens"] == 50  # NULL counts as 0 in sums
+    models = by_key(store.usage(T0, "model"))
+    assert {k: v["requests"] for k, v in models.items()} == {"m1": 3, "m2": 1}
+    hosts = store.usage(T0, "host")
+    assert [r["key"] for r in hosts] == ["", "alpha", "beta"]
+    assert by_key(hosts)[""]["errors"] == 1
+    assert by_key(store.usage(0, "route"))["r3"]["requests"] == 1
+    with pytest.raises(ValueError, match="by must be"):
+        store.usage(0, "fp")
+
+
+def test_usage_of_an_empty_store(store: Store) -> None:
+    assert store.usage(0, "host") == []
+    assert store.host_uptime(0) == {}
+
+
+def totals(s: Store, since: float, by: str) -> dict[str, dict[str, Any]]:
+    return by_key(s.usage(since, by))
+
+
+def test_rollup_moves_rows_and_keeps_usage_totals(store: Store) -> None:
+    fill_usage(store)
+    before = {by: totals(store, 0, by) for by in ("route", "model", "host")}
+    assert store.rollup(T0 + 2) == 3  # the older row and the first two of T0's day
+    assert len(store.requests_since(0)) == 2
+    assert {by: totals(store, 0, by) for by in ("route", "model", "host")} == before
+    # the day of `since` is included whole once rolled up
+    assert totals(store, T0 + 1, "route")["r1"]["requests"] == 2
+
+    store.record_request(request(route="r1", model="m1", host="alpha", started=T0 + 5))
+    store.schedule_rollup(T0 + DAY)  # on the writer thread, after the row above
+    assert store.flush()
+    assert store.last_rollup == 3 and store.requests_since(0) == []
+    after = totals(store, 0, "route")
+    assert after["r1"]["requests"] == before["route"]["r1"]["requests"] + 1
+    assert after["r2"] == before["route"]["r2"]
+    assert totals(store, 0, "host")[""]["errors"] == 1
+
+
+def test_rollup_of_nothing(store: Store) -> None:
+    assert store.rollup(T0) == 0

@@ -1,0 +1,368 @@
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crossbar.tap import SSETap, Usage, merge, usage_from_body, usage_from_object
+
+SAMPLES = Path("/work/shared/llama-lab/samples")
+needs_samples = pytest.mark.skipif(not SAMPLES.is_dir(), reason="llama-lab samples absent")
+
+
+def _body(name: str) -> bytes:
+    """A recorded reply's body: what follows the first blank line after the `HTTP` status line."""
+    raw = (SAMPLES / name).read_bytes()
+    status = raw.index(b"\nHTTP ")
+    return raw[raw.index(b"\n\n", status) + 2 :]
+
+
+STREAMS: dict[str, tuple[Usage, str]] = {
+    # no stream_options: timings on the finish chunk only
+    "single/chat_stream.txt": (Usage(31, 30, 8, 0.745), "length"),
+    # include_usage: an extra choices:[] chunk with usage + timings
+    "single/chat_stream_usage.txt": (Usage(31, 30, 8, 0.739), "length"),
+    "router/chat_model0_stream_usage.txt": (Usage(24, 23, 8, 2.145), "length"),
+}
+BODIES: dict[str, Usage] = {
+    "single/chat_nonstream.txt": Usage(31, 30, 16, 1.03),
+    "single/cache_run2.txt": Usage(1219, 1218, 4, 1.336),
+}
+
+
+def _replay(chunks: Iterable[bytes], end: bool = True) -> tuple[SSETap, bytes]:
+    tap = SSETap(clock=lambda: 12.5)
+    out = bytearray()
+    for chunk in chunks:
+        result = tap(chunk)
+        assert result is chunk
+        out += result
+    if end:
+        assert tap(b"") == b""
+    return tap, bytes(out)
+
+
+def _chunks(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def _assert_tap(tap: SSETap, data: bytes, usage: Usage, finish_reason: str) -> None:
+    assert tap.usage == usage
+    assert tap.done
+    assert tap.saw_done_marker
+    assert tap.finish_reason == finish_reason
+    assert tap.events == data.count(b"\ndata:") + data.startswith(b"data:")
+    assert tap.nbytes == len(data)
+    assert tap.first_chunk_at == 12.5
+
+
+# ---------------------------------------------------------------- recorded replies
+
+
+@needs_samples
+@pytest.mark.parametrize(("name", "expected"), STREAMS.items(), ids=list(STREAMS))
+def test_recorded_stream_whole(name: str, expected: tuple[Usage, str]) -> None:
+    data = _body(name)
+    assert data.startswith(b"data: ")
+    tap, out = _replay([data])
+    assert out == data
+    _assert_tap(tap, data, *expected)
+    assert tap.events == (12 if "usage" in name else 11)
+
+
+@needs_samples
+@pytest.mark.parametrize(("name", "expected"), STREAMS.items(), ids=list(STREAMS))
+def test_recorded_stream_split_everywhere(name: str, expected: tuple[Usage, str]) -> None:
+    data = _body(name)
+    for cut in range(len(data) + 1):
+        # an empty chunk means "end of body", so a cut at either end gives a single chunk
+        tap, out = _replay([piece for piece in (data[:cut], data[cut:]) if piece])
+        assert out == data, cut
+        _assert_tap(tap, data, *expected)
+
+
+@needs_samples
+@pytest.mark.parametrize("size", [1, 2, 7, 64, 1000])
+@pytest.mark.parametrize(("name", "expected"), STREAMS.items(), ids=list(STREAMS))
+def test_recorded_stream_small_chunks(name: str, expected: tuple[Usage, str], size: int) -> None:
+    data = _body(name)
+    tap, out = _replay(_chunks(data, size))
+    assert out == data
+    _assert_tap(tap, data, *expected)
+
+
+@needs_samples
+@pytest.mark.parametrize(("name", "expected"), STREAMS.items(), ids=list(STREAMS))
+def test_recorded_stream_crlf(name: str, expected: tuple[Usage, str]) -> None:
+    data = _body(name).replace(b"\n", b"\r\n")
+    for size in (1, 7, len(data)):
+        tap, out = _replay(_chunks(data, size))
+        assert out == data
+        _assert_tap(tap, data, *expected)
+
+
+@needs_samples
+@pytest.mark.parametrize(("name", "expected"), BODIES.items(), ids=list(BODIES))
+def test_recorded_body(name: str, expected: Usage) -> None:
+    body = _body(name)
+    assert body.lstrip().startswith(b"{")
+    usage = usage_from_body(body)
+    assert usage == expected
+    assert usage is not None and usage.tokens_per_second == pytest.approx(
+        expected.completion_tokens / expected.predicted_ms * 1000
+    )
+
+
+@needs_samples
+def test_recorded_stream_cut() -> None:
+    data = _body("single/chat_stream_usage.txt")
+    cut = data.index(b'data: {"choices":[]')
+    tap, out = _replay(_chunks(data[:cut], 7), end=False)
+    assert out == data[:cut]
+    assert not tap.done
+    assert not tap.saw_done_marker
+    assert tap.finish_reason == "length"
+    assert tap.usage is None  # the finish chunk carries no timings when usage was asked for
+
+    tap, _ = _replay([data[: data.index(b"data: [DONE]")]], end=False)
+    assert not tap.done and not tap.saw_done_marker
+    assert tap.usage == Usage(31, 30, 8, 0.739)
+
+
+# ---------------------------------------------------------------- synthetic streams
+
+
+def _sse(*objects: Any, done: bool = True) -> bytes:
+    lines = [b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n" for obj in objects]
+    return b"".join(lines) + (b"data: [DONE]\n\n" if done else b"")
+
+
+def _delta(text: str) -> dict[str, Any]:
+    return {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": text}}]}
+
+
+def test_stream_without_usage() -> None:
+    data = _sse(_delta("a"), _delta("b"), {"choices": [{"finish_reason": "stop", "index": 0, "delta": {}}]})
+    tap, out = _replay(_chunks(data, 3))
+    assert out == data
+    assert tap.usage is None
+    assert tap.finish_reason == "stop"
+    assert tap.done and tap.saw_done_marker
+    assert tap.events == 4
+
+
+def test_empty_stream() -> None:
+    tap, out = _replay([])
+    assert out == b""
+    assert tap.done and not tap.saw_done_marker
+    assert tap.usage is None and tap.events == 0 and tap.nbytes == 0
+    assert tap.first_chunk_at is None
+
+
+def test_usage_null_and_partial_figures() -> None:
+    data = _sse(
+        {**_delta("a"), "usage": None},
+        {"choices": [], "usage": {"completion_tokens": 3}},
+        {"choices": [], "timings": {"cache_n": 5}},
+    )
+    tap, _ = _replay([data])
+    assert tap.usage == Usage(prompt_tokens=None, cached_tokens=5, completion_tokens=3, predicted_ms=None)
+    assert tap.usage.tokens_per_second is None
+
+
+def test_later_figures_win() -> None:
+    data = _sse(
+        {"choices": [{"finish_reason": "length", "delta": {}}], "timings": {"prompt_n": 2, "cache_n": 1}},
+        {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 4}},
+    )
+    tap, _ = _replay([data])
+    assert tap.usage == Usage(prompt_tokens=10, cached_tokens=1, completion_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'data: {"timings": {"predicted_n": 1}',  # truncated JSON
+        b'data: {"timings": NaNx}',
+        b'data: ["timings"]',
+        b'data: "usage"',
+        b"data: " + b"[" * 100_000 + b'"timings"',
+        b'event: {"timings": {"predicted_n": 1}}',  # not a data: line
+        b': {"timings": {"predicted_n": 1}}',  # an SSE comment
+        b' data: {"timings": {"predicted_n": 1}}',
+        b"data: [DONE] trailing",
+    ],
+)
+def test_malformed_lines_are_ignored(line: bytes) -> None:
+    data = line + b"\n\n"
+    tap, out = _replay(_chunks(data, 5))
+    assert out == data
+    assert tap.usage is None
+    assert not tap.saw_done_marker
+    assert tap.done
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"data: [DONE]", b"data:[DONE]", b"data: [DONE] ", b"data: [DONE]\r"],
+)
+def test_done_marker_forms(line: bytes) -> None:
+    tap, _ = _replay([line + b"\n"])
+    assert tap.saw_done_marker
+
+
+def test_last_line_without_newline_is_scanned_at_end() -> None:
+    data = _sse({"choices": [], "timings": {"predicted_n": 2}}, done=False) + b"data: [DONE]"
+    tap, _ = _replay(_chunks(data, 4), end=False)
+    assert not tap.saw_done_marker and tap.usage is not None
+    assert tap(b"") == b""
+    assert tap.saw_done_marker and tap.done
+
+
+def test_overlong_line_is_dropped_but_forwarded() -> None:
+    big = {"choices": [], "pad": "x" * 300, "timings": {"predicted_n": 99}}
+    small = {"choices": [], "timings": {"predicted_n": 7}}
+    data = _sse(big, small)
+    for size in (1, 7, 50, 1000, len(data)):
+        tap = SSETap(max_line=200)
+        out = b"".join(tap(chunk) for chunk in _chunks(data, size))
+        tap(b"")
+        assert out == data
+        assert tap.usage == Usage(completion_tokens=7), size
+        assert tap.saw_done_marker
+        assert len(tap._tail) <= 200
+
+
+def test_tail_stays_bounded_without_newlines() -> None:
+    tap = SSETap(max_line=1000)
+    for _ in range(100):
+        tap(b"data: " + b"y" * 500)
+    assert len(tap._tail) == 0
+    tap(b'\ndata: {"timings":{"predicted_n":1}}\n')
+    assert tap.usage == Usage(completion_tokens=1)
+
+
+def test_chunks_after_end_pass_through() -> None:
+    tap, _ = _replay([b'data: {"timings":{"predicted_n":1}}\n'])
+    chunk = b'data: {"timings":{"predicted_n":2}}\n'
+    assert tap(chunk) is chunk
+    assert tap.usage == Usage(completion_tokens=1)
+
+
+def test_first_chunk_clock() -> None:
+    ticks = iter([1.0, 2.0, 3.0])
+    tap = SSETap(clock=lambda: next(ticks))
+    tap(b"")  # the end, with nothing before it
+    assert tap.first_chunk_at is None
+    tap = SSETap(clock=lambda: next(ticks))
+    tap(b"data: x")
+    tap(b"\n")
+    assert tap.first_chunk_at == 1.0
+
+
+# ---------------------------------------------------------------- usage objects
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected"),
+    [
+        ({}, None),
+        ({"choices": []}, None),
+        ({"usage": None, "timings": None}, None),
+        ({"usage": "x"}, None),
+        ({"usage": {}}, Usage()),
+        ({"timings": {}}, Usage()),
+        (
+            {"timings": {"cache_n": 30, "prompt_n": 1, "predicted_n": 8, "predicted_ms": 0.745}},
+            Usage(31, 30, 8, 0.745),
+        ),
+        ({"timings": {"prompt_n": 5}}, Usage()),  # prompt_n alone is not the whole prompt
+        ({"timings": {"cache_n": 0, "prompt_n": 5}}, Usage(prompt_tokens=5, cached_tokens=0)),
+        (
+            {
+                "usage": {
+                    "prompt_tokens": 31,
+                    "completion_tokens": 8,
+                    "prompt_tokens_details": {"cached_tokens": 30},
+                }
+            },
+            Usage(31, 30, 8, None),
+        ),
+        (
+            {
+                "usage": {"prompt_tokens": 40, "completion_tokens": 9},
+                "timings": {"cache_n": 1, "prompt_n": 2},
+            },
+            Usage(40, 1, 9, None),
+        ),
+        ({"usage": {"prompt_tokens": 0, "completion_tokens": 0}}, Usage(0, None, 0, None)),
+        (
+            {"usage": {"prompt_tokens": True, "completion_tokens": -1, "prompt_tokens_details": None}},
+            Usage(),
+        ),
+        ({"usage": {"prompt_tokens": 7.0, "completion_tokens": 7.5}}, Usage(prompt_tokens=7)),
+        ({"usage": {"prompt_tokens": "7"}}, Usage()),
+        ({"timings": {"predicted_ms": 2}}, Usage(predicted_ms=2.0)),
+        ({"timings": {"predicted_ms": float("nan")}}, Usage()),
+        ({"timings": {"predicted_ms": -1.0}}, Usage()),
+        ({"timings": {"predicted_ms": False}}, Usage()),
+    ],
+)
+def test_usage_from_object(obj: dict[str, Any], expected: Usage | None) -> None:
+    assert usage_from_object(obj) == expected
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        (None, None, None),
+        (Usage(1), None, Usage(1)),
+        (None, Usage(2), Usage(2)),
+        (Usage(1, 2, 3, 4.0), Usage(None, None, 5, None), Usage(1, 2, 5, 4.0)),
+        (Usage(1, 2, None, None), Usage(9, 8, 7, 6.0), Usage(9, 8, 7, 6.0)),
+        (Usage(1, 0), Usage(None, None), Usage(1, 0)),
+    ],
+)
+def test_merge(a: Usage | None, b: Usage | None, expected: Usage | None) -> None:
+    assert merge(a, b) == expected
+
+
+def test_merge_does_not_mutate() -> None:
+    a, b = Usage(1), Usage(None, 2)
+    merge(a, b)
+    assert a == Usage(1) and b == Usage(None, 2)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        b"",
+        b"not json",
+        b"\xff\xfe",
+        b"[1, 2]",
+        b'"usage"',
+        b"[" * 100_000,
+        b'{"choices": []}',
+        b'{"error": {"code": 400, "message": "x"}}',
+    ],
+)
+def test_usage_from_body_tolerant(body: bytes | None) -> None:
+    assert usage_from_body(body) is None
+
+
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        (Usage(completion_tokens=8, predicted_ms=0.5), 16000.0),
+        (Usage(completion_tokens=8, predicted_ms=0.0), None),
+        (Usage(completion_tokens=None, predicted_ms=1.0), None),
+        (Usage(completion_tokens=8), None),
+        (Usage(completion_tokens=0, predicted_ms=10.0), 0.0),
+    ],
+)
+def test_tokens_per_second(usage: Usage, expected: float | None) -> None:
+    assert usage.tokens_per_second == expected
