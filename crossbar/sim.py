@@ -224,17 +224,26 @@ def completion_prompt(prompt: Any) -> bytes:
 
 
 def common_prefix(a: bytes, b: bytes) -> int:
+    """Length of the longest common prefix; cost grows with the prefix, not with the inputs."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n
+    lo, step = 0, 256
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            return lo + _mismatch(a[lo:hi], b[lo:hi])
+        lo, step = hi, step * 2
+    return n
+
+
+def _mismatch(a: bytes, b: bytes) -> int:
+    lo, hi = 0, len(a)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
+        if a[lo:mid] == b[lo:mid]:
             lo = mid
         else:
             hi = mid
-    return lo
+    return lo if a[lo:lo + 1] != b[lo:lo + 1] else hi
 
 
 def random_id(rng: random.Random) -> str:
@@ -291,6 +300,9 @@ class PromptCache:
         if prompt in self._entries:
             self._entries.move_to_end(prompt)
             return
+        for entry in [e for e in self._entries if prompt.startswith(e)]:
+            del self._entries[entry]  # a prefix of the new entry can never match longer than it
+            self.tokens -= len(entry)
         self._entries[prompt] = None
         self.tokens += len(prompt)
         while self.tokens > limit:
@@ -546,7 +558,6 @@ class Engine:
                 s.tokens = b""
 
     def _finish(self, job: Job, slot: Slot) -> None:
-        slot.job = job
         job.kv = 0
         if job.id_task == 0:
             return
@@ -1022,7 +1033,7 @@ class SimServer:
 
     def _router_model_json(self, state: ModelState) -> dict[str, Any]:
         cfg = self.config
-        port = str(state.loaded_port if state.status != "unloaded" or state.loaded_port else 0)
+        port = str(state.loaded_port)  # 0 until first loaded, then the last child's port (as the real one)
         args = ["llama-server", "--host", "127.0.0.1", "--metrics", "--port", port, "--slots",
                 "--no-webui", "--alias", state.name, "--ctx-size", str(cfg.ctx), "--model", state.path,
                 "--parallel", str(cfg.n_slots)]

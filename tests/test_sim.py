@@ -14,9 +14,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from samples_util import sse_events
 
-from crossbar.sim import SimConfig, SimServer, chat_prompt
+from crossbar.sim import PromptCache, SimConfig, SimServer, chat_prompt, common_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +54,22 @@ def test_chat_prompt_token_formula() -> None:
     messages = [{"role": "system", "content": "sé"}, {"role": "user", "content": parts}]
     expected = (6 + 3 + 4) + (4 + 2 + 4) + 11
     assert len(chat_prompt(messages)) == expected
+
+
+@given(st.binary(max_size=600), st.binary(max_size=600), st.binary(max_size=600))
+def test_common_prefix_matches_naive(head: bytes, tail_a: bytes, tail_b: bytes) -> None:
+    a, b = head + tail_a, head + tail_b
+    naive = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert common_prefix(a, b) == naive
+
+
+def test_prompt_cache_lru_and_prefix_subsumption() -> None:
+    cache = PromptCache()
+    cache.put(b"abc", 10)
+    cache.put(b"abcdef", 10)  # replaces its own prefix
+    assert cache.tokens == 6 and cache.best(b"abcx") == (3, b"abcdef")
+    cache.put(b"zzzzz", 10)  # evicts the least recently used entry
+    assert cache.tokens == 5 and cache.best(b"abc") == (0, b"")
 
 
 async def test_cache_grows_with_conversation(http: aiohttp.ClientSession) -> None:

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# crossbar launcher.
+#   ./run.sh [CONFIG]        run crossbar (CONFIG defaults to crossbar.toml, else example.toml)
+#   ./run.sh test [ARGS]     run the whole test suite (ARGS go to pytest)
+#   ./run.sh demo            simulated llama-servers + crossbar on example.toml
+#   ./run.sh bench [ARGS]    the benchmarks (bench/bench.py)
+# Creates .venv on first use (Python >= 3.12) and installs the pinned dependencies.
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cd "$HERE"
+VENV="$HERE/.venv"
+
+say() { printf 'run.sh: %s\n' "$*" >&2; }
+
+python_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; }
+
+find_python() {
+  local cand
+  for cand in python3.13 python3.12 python3.14 python3; do
+    if command -v "$cand" >/dev/null 2>&1 && python_ok "$cand"; then command -v "$cand"; return 0; fi
+  done
+  # pyenv installs that are not on PATH (a bare environment has no shims)
+  for cand in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python3; do
+    if [ -x "$cand" ] && python_ok "$cand"; then echo "$cand"; return 0; fi
+  done
+  return 1
+}
+
+ensure_venv() {  # ensure_venv REQUIREMENTS_FILE
+  local req=$1 stamp="$VENV/.crossbar-installed" want
+  if [ ! -x "$VENV/bin/python" ] || ! python_ok "$VENV/bin/python"; then
+    local py
+    py=$(find_python) || {
+      say "crossbar needs Python >= 3.12 (mitmproxy 12 requires it)."
+      say "Looked for python3.13/python3.12/python3 on PATH and in \${PYENV_ROOT:-~/.pyenv}/versions/3.1[2-9]*."
+      say "Install one (e.g. 'pyenv install 3.13') and run ./run.sh again."
+      exit 1
+    }
+    say "creating .venv with $py"
+    rm -rf "$VENV"
+    "$py" -m venv "$VENV"
+  fi
+  want="$req $(cat "$req" requirements.txt constraints.txt | sha256sum | cut -c1-16)"
+  if [ ! -f "$stamp" ] || ! grep -qxF "$want" "$stamp"; then
+    say "installing pinned dependencies ($req)"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req" -c constraints.txt
+    echo "$want" >>"$stamp"
+  fi
+}
+
+default_config() {
+  if [ -f crossbar.toml ]; then echo crossbar.toml; else echo example.toml; fi
+}
+
+run_crossbar() {  # run_crossbar CONFIG [extra mitmdump args]
+  local cfg=$1; shift
+  [ -f "$cfg" ] || { say "no config file at $cfg (copy example.toml to crossbar.toml and edit it)"; exit 1; }
+  # server=false: mitmproxy opens no default listener; crossbar opens the ones its TOML names.
+  exec "$VENV/bin/mitmdump" -s "$HERE/addons/crossbar.py" --set "crossbar_config=$cfg" --set server=false "$@"
+}
+
+ensure_chromium() {  # the dashboard test drives a headless browser; Debian's chromium package
+  if command -v chromium >/dev/null 2>&1; then return 0; fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Debian's chromium for the dashboard test"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || say "could not install chromium; the browser test will be skipped"
+  else
+    say "chromium not found and cannot be installed here; the browser test will be skipped"
+  fi
+}
+
+case "${1:-}" in
+  test)
+    shift
+    ensure_venv requirements-dev.txt
+    if [ -n "${CROSSBAR_BROWSER_TESTS:-}" ]; then ensure_chromium; fi
+    "$VENV/bin/python" -m pytest "$@"
+    ;;
+  demo)
+    shift
+    ensure_venv requirements.txt
+    cfg=example.toml
+    "$VENV/bin/python" -m crossbar.demo "$cfg" &
+    sims=$!
+    trap 'kill $sims 2>/dev/null || true; wait $sims 2>/dev/null || true' EXIT INT TERM
+    "$VENV/bin/python" -m crossbar.demo --wait "$cfg"
+    "$VENV/bin/mitmdump" -s "$HERE/addons/crossbar.py" --set "crossbar_config=$cfg" --set server=false "$@"
+    ;;
+  bench)
+    shift
+    ensure_venv requirements-dev.txt
+    "$VENV/bin/python" bench/bench.py "$@"
+    ;;
+  -h|--help|help)
+    sed -n '2,7p' "$0"
+    ;;
+  *)
+    ensure_venv requirements.txt
+    run_crossbar "${1:-$(default_config)}" "${@:2}"
+    ;;
+esac
