@@ -27,6 +27,7 @@ from crossbar.app import Router
 from crossbar.config import Config, ConfigError, load_config
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
+from crossbar.flowcap import FlowCap
 from crossbar.lease import Key
 from crossbar.limiter import ClientGone
 from crossbar.store import StoreError
@@ -151,6 +152,21 @@ class Crossbar:
             return
         self._forward(flow, ex)
         self._current[flow.client_conn.id] = flow
+        ex.deadline = asyncio.get_running_loop().call_later(
+            self.router.cfg.first_byte_timeout, self._first_byte_overdue, flow
+        )
+
+    def _first_byte_overdue(self, flow: http.HTTPFlow) -> None:
+        """The upstream accepted the request but sent nothing for `first_byte_timeout`: close its
+        connection so the client gets an answer (mitmproxy's 502) instead of waiting forever."""
+        ex: Exchange | None = flow.metadata.get(META)
+        if ex is None or ex.ttfb_ms is not None or not flow.live or self.router is None:
+            return
+        limit = self.router.cfg.first_byte_timeout
+        ex.err = f"no first byte from {ex.host} within {limit:g}s"
+        self.router.passive_mark(ex.host, ex.err)
+        if not close_server_connection(flow):
+            log.warning("could not close the upstream connection of a hung request to %s", ex.host)
 
     def _exchange(self, flow: http.HTTPFlow) -> Exchange:
         assert self.cfg is not None
@@ -224,6 +240,7 @@ class Crossbar:
         ex: Exchange | None = flow.metadata.get(META)
         if ex is None or flow.metadata.get("crossbar.local") or flow.response is None:
             return
+        ex.cancel_deadline()
         ex.mark_first_byte()
         ex.status = flow.response.status_code
         if ex.completion and ex.status in RETRY_STATUSES and not ex.retried:
@@ -291,6 +308,7 @@ class Crossbar:
         ex: Exchange | None = flow.metadata.get(META)
         if ex is None or self.router is None:
             return
+        ex.cancel_deadline()
         msg = flow.error.msg if flow.error else "error"
         ex.err = ex.err or msg
         if flow.response is None and ex.ttfb_ms is None and _is_connect_failure(msg) and ex.host:
@@ -300,6 +318,19 @@ class Crossbar:
         if flow.response is not None and ex.status is None:
             ex.status = flow.response.status_code
         self.router.finish(ex)
+
+
+def close_server_connection(flow: http.HTTPFlow) -> bool:
+    """Close the flow's upstream socket. mitmproxy has no public call for this (flow.kill() does
+    not reach a flow in transit, mitmproxy#4711), so this goes through the proxyserver's handler."""
+    ps = ctx.master.addons.get("proxyserver")
+    handler = getattr(ps, "connections", {}).get(flow.client_conn.id)
+    io = getattr(handler, "transports", {}).get(flow.server_conn) if handler else None
+    writer = getattr(io, "writer", None)
+    if writer is None:
+        return False
+    writer.close()
+    return True
 
 
 def _content(response: http.Response) -> bytes | None:
@@ -317,4 +348,5 @@ def _is_connect_failure(msg: str) -> bool:
 
 
 def make_addons() -> list[Any]:
-    return [Crossbar()]
+    crossbar = Crossbar()
+    return [crossbar, FlowCap(lambda: crossbar.cfg.mitmweb_keep_flows if crossbar.cfg else 500)]

@@ -155,7 +155,9 @@ class Admin:
             r.leases.unpin(name, now)
             return {"ok": True}
         if pin is not True:
-            raise errors.bad_request('send {"host": "<host>", "pin": true}, {"pin": false} or {"release": true}')
+            raise errors.bad_request(
+                'send {"host": "<host>", "pin": true}, {"pin": false} or {"release": true}'
+            )
         host = body.get("host")
         if not isinstance(host, str) or not host:
             raise errors.bad_request("'host' must name the host to pin the route to")
@@ -217,7 +219,8 @@ USAGE_COLUMNS = ("requests", "errors", "busy_ms", "queued_ms", "prompt_tokens", 
 
 
 def usage_table(rows: list[dict[str, Any]]) -> str:
-    head = ["key", "requests", "errors", "busy_ms", "queued_ms", "prompt", "cached", "completion", "cache_hit"]
+    head = ["key", "requests", "errors", "busy_ms", "queued_ms", "prompt", "cached", "completion",
+            "cache_hit"]
     lines = [head]
     for row in rows:
         prompt, cached = row.get("prompt_tokens") or 0, row.get("cached_tokens") or 0

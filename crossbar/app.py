@@ -174,6 +174,7 @@ class Router:
         if ex.finished:
             return
         ex.finished = True
+        ex.cancel_deadline()
         self.free_slot(ex)
         if not ex.completion:
             return

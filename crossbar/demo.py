@@ -33,7 +33,8 @@ async def serve(cfg: Config) -> None:
     sims = [SimServer(sim_config(h), host=h.host, port=h.port) for h in cfg.hosts.values()]
     for sim, (name, host) in zip(sims, cfg.hosts.items(), strict=True):
         await sim.start()
-        print(f"demo: simulated llama-server {name} on {sim.url} serving {', '.join(host.models)}", flush=True)
+        served = ", ".join(host.models)
+        print(f"demo: simulated llama-server {name} on {sim.url} serving {served}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -48,10 +49,10 @@ def wait_ready(cfg: Config, timeout: float = 20.0) -> bool:
     pending = dict(cfg.hosts)
     while pending and time.monotonic() < deadline:
         for name, host in list(pending.items()):
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{host.base_url}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        del pending[name]
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{host.base_url}/health",
+                                                                      timeout=1) as resp:
+                if resp.status == 200:
+                    del pending[name]
         if pending:
             time.sleep(0.2)
     return not pending

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,12 @@ class Exchange:
     retried: bool = False
     excluded: set[str] = field(default_factory=set)  # hosts that failed this request
     finished: bool = False
+    deadline: asyncio.TimerHandle | None = None  # first-byte timeout
+
+    def cancel_deadline(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
 
     @property
     def model(self) -> str:

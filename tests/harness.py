@@ -252,3 +252,123 @@ def _drain_in_background(proc: subprocess.Popen[str], output: list[str]) -> None
             output.append(line)
 
     threading.Thread(target=pump, daemon=True).start()
+
+
+# ---------------------------------------------------------------- e2e helpers (appended)
+
+POLL_PATHS = frozenset({"/health", "/v1/models", "/props", "/slots"})
+JsonObj = dict[str, Any]
+
+
+async def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.02, what: str = "") -> None:
+    """Bounded polling until `predicate()` (sync or async) is true; fails the test otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate!r}")
+        await asyncio.sleep(interval)
+
+
+async def request_rows(proxy: Proxy) -> list[Any]:
+    """Every `requests` row, after the store's background writer has caught up."""
+    store = proxy.router.store
+    await asyncio.to_thread(store.flush)
+    return await asyncio.to_thread(store.requests_since, 0)
+
+
+async def lease_event_rows(proxy: Proxy) -> list[Any]:
+    """Every lease event (oldest first), after the background writer has caught up."""
+    store = proxy.router.store
+    await asyncio.to_thread(store.flush)
+    return list(reversed(await asyncio.to_thread(store.lease_events, 10_000)))
+
+
+def completion_count(sim: SimServer) -> int:
+    """Completion-type requests the sim received (any path that is not polled by crossbar)."""
+    return sum(n for path, n in sim.stats.requests.items() if path not in POLL_PATHS)
+
+
+def is_error_shape(body: Any, status: int) -> bool:
+    """crossbar's own error shape `{"error":{"code","type","message"}}` with the right code."""
+    err = body.get("error") if isinstance(body, dict) else None
+    return (isinstance(err, dict) and err.get("code") == status and isinstance(err.get("type"), str)
+            and isinstance(err.get("message"), str) and bool(err["message"]))
+
+
+def sse_data(body: bytes) -> list[bytes]:
+    """The `data:` payloads of an SSE body, in order."""
+    return [line[5:].strip() for line in body.split(b"\n") if line.startswith(b"data:")]
+
+
+def single_host_config(path: Path, url: str, *, models: Sequence[str] = ("m",), parallel: int = 0,
+                       routes: Mapping[str, Mapping[str, Any]] | None = None, **top: Any) -> Path:
+    """One host "a" serving `models`, route "r" (and template "opencode-*") on it, default model first."""
+    spec = HostSpec({m: ({"parallel": parallel} if parallel else {}) for m in models})
+    default = {"hosts": ["a"], "default_model": models[0]}
+    return write_config(path, {"a": (url, spec)},
+                        routes or {"r": default, "opencode-*": default}, **top)
+
+
+@dataclass
+class RecordingUpstream:
+    """A tiny llama-server stand-in that records the raw request bodies it gets and answers fixed
+    bytes. A streamed answer sends `chunks[0]`, then waits for `gate` before sending the rest."""
+
+    json_body: bytes
+    chunks: Sequence[bytes]
+    extra_headers: Mapping[str, str] = field(default_factory=dict)
+    received: list[bytes] = field(default_factory=list)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def handle(self, request: Any) -> Any:
+        from aiohttp import web
+
+        json_type = {"Content-Type": "application/json"}
+        if request.method == "GET":
+            bodies = {"/health": b'{"status":"ok"}', "/v1/models": b'{"data":[{"id":"m"}]}',
+                      "/props": b'{"total_slots":4,"default_generation_settings":{"n_ctx":4096}}'}
+            if request.path in bodies:
+                return web.Response(body=bodies[request.path], headers=json_type)
+            return web.Response(status=404, body=b'{"error":"nf"}', headers=json_type)
+        raw = await request.read()
+        self.received.append(raw)
+        if not json.loads(raw).get("stream"):
+            return web.Response(body=self.json_body, headers={**json_type, **self.extra_headers})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self.extra_headers})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await resp.write(self.chunks[0])
+        await self.gate.wait()
+        for chunk in self.chunks[1:]:
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+
+@asynccontextmanager
+async def recording_upstream(
+    json_body: bytes, chunks: Sequence[bytes], extra_headers: Mapping[str, str] | None = None
+) -> AsyncIterator[RecordingUpstream]:
+    from aiohttp import web
+
+    up = RecordingUpstream(json_body, chunks, dict(extra_headers or {}))
+    runner = web.ServerRunner(web.Server(up.handle), shutdown_timeout=0.5, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    up.port = runner.addresses[0][1]
+    try:
+        yield up
+    finally:
+        up.gate.set()
+        await runner.cleanup()

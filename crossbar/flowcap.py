@@ -1,0 +1,30 @@
+"""Keep mitmweb's memory bounded: it stores every flow and has no cap of its own (mitmproxy
+#4129). Under mitmdump there is no `view` addon and this does nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mitmproxy import ctx, http
+
+
+class FlowCap:
+    def __init__(self, keep: Callable[[], int]):
+        self.keep = keep  # read at every trim: the limit comes from crossbar's config
+
+    def _trim(self) -> None:
+        view = ctx.master.addons.get("view")
+        if view is None:
+            return
+        excess = view.store_count() - self.keep()
+        if excess <= 0:
+            return
+        oldest = [f for f in list(view._store.values())[: excess + 16] if not f.live][:excess]
+        if oldest:
+            view.remove(oldest)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._trim()
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._trim()

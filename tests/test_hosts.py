@@ -1,0 +1,237 @@
+"""Health: parsing against the real server's recorded replies, the recovery rule, and a poller
+that never makes a llama-server router load a model."""
+
+from __future__ import annotations
+
+import asyncio
+from types import MappingProxyType
+
+import pytest
+from samples_util import SAMPLES, load
+
+from crossbar.config import HostConf, ModelConf
+from crossbar.hosts import Fleet, ModelCtx, Poller, PollResult, parse_free_slots, parse_models, parse_props
+from crossbar.sim import SimConfig, SimServer
+
+needs_samples = pytest.mark.skipif(not SAMPLES.is_dir(), reason="llama-lab samples not available")
+
+
+def host_conf(name: str, url: str = "http://127.0.0.1:9", models: dict[str, ModelConf] | None = None,
+              ) -> HostConf:
+    scheme, rest = url.split("://")
+    host, port = rest.rsplit(":", 1)
+    return HostConf(name=name, base_url=url, scheme=scheme, host=host, port=int(port), base_path="",
+                    models=MappingProxyType(models or {"m": ModelConf()}))
+
+
+@needs_samples
+@pytest.mark.parametrize(("sample", "expected"), [
+    ("single/get_v1_models.txt", {"models/tiny-a.gguf": "loaded"}),
+    ("router/get_v1_models_nomodel.txt", {"tiny-a": "unloaded", "tiny-b": "unloaded"}),
+    ("router/v1_models_after_model0.txt", {"tiny-a": "loaded", "tiny-b": "unloaded"}),
+    ("router/v1_models_after_model1.txt", {"tiny-a": "unloaded", "tiny-b": "loaded"}),
+    ("router/v1_models_right_after_load_call.txt", {"tiny-a": "unloaded", "tiny-b": "loading"}),
+])
+def test_parse_models_against_samples(sample: str, expected: dict[str, str]) -> None:
+    assert parse_models(load(sample).json()) == expected
+
+
+@needs_samples
+@pytest.mark.parametrize(("sample", "router", "ctx"), [
+    ("single/get_props.txt", False, ModelCtx(n_ctx=2048, slots=2)),
+    ("router/get_props_nomodel.txt", True, ModelCtx()),
+    ("router/get_props_model0.txt", False, ModelCtx(n_ctx=2048, slots=2)),
+])
+def test_parse_props_against_samples(sample: str, router: bool, ctx: ModelCtx) -> None:
+    assert parse_props(load(sample).json()) == (router, ctx)
+
+
+@needs_samples
+@pytest.mark.parametrize(("sample", "free"), [
+    ("single/get_slots.txt", 2),
+    ("router/get_slots_model0.txt", 2),
+    ("router/get_slots_nomodel.txt", None),  # 400 error object: not a slot list
+])
+def test_parse_free_slots_against_samples(sample: str, free: int | None) -> None:
+    assert parse_free_slots(load(sample).json()) == free
+
+
+@pytest.mark.parametrize("body", [None, [], "x", {"data": "x"}, {"data": [1, {"id": 5}]}])
+def test_parse_models_tolerates_garbage(body: object) -> None:
+    assert parse_models(body) == {}
+
+
+def test_parse_props_ignores_bad_figures() -> None:
+    assert parse_props({"default_generation_settings": {"n_ctx": "big"}, "total_slots": -1}) == (
+        False, ModelCtx())
+
+
+def test_busy_slots_are_not_free() -> None:
+    body = [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}, {"id": 2}]
+    assert parse_free_slots(body) == 2
+
+
+# ---------------------------------------------------------------- Fleet rules
+
+
+def fleet_of(**models: dict[str, ModelConf]) -> Fleet:
+    return Fleet({name: host_conf(name, models=m) for name, m in models.items()}, clock=lambda: 100.0)
+
+
+GOOD = PollResult(ok=True, loaded=frozenset({"m"}))
+BAD = PollResult(ok=False, error="refused")
+
+
+@pytest.mark.parametrize(("polls", "healthy"), [
+    ([], True),  # optimistic until the first poll
+    ([GOOD], True),
+    ([BAD], False),
+    ([BAD, GOOD], False),  # one good poll is not enough to recover
+    ([BAD, GOOD, GOOD], True),
+    ([BAD, GOOD, BAD, GOOD], False),  # consecutive
+    ([GOOD, BAD, GOOD, GOOD], True),
+])
+def test_recovery_needs_two_consecutive_good_polls(polls: list[PollResult], healthy: bool) -> None:
+    fleet = fleet_of(a={"m": ModelConf()})
+    for res in polls:
+        fleet.apply("a", res)
+    assert fleet.healthy("a") is healthy
+
+
+def test_passive_mark_then_recovery() -> None:
+    fleet = fleet_of(a={"m": ModelConf()})
+    fleet.apply("a", GOOD)
+    assert fleet.mark_down("a", "connect refused") is True
+    assert fleet.mark_down("a", "again") is False  # already down
+    fleet.apply("a", GOOD)
+    assert not fleet.healthy("a")
+    fleet.apply("a", GOOD)
+    assert fleet.healthy("a")
+    assert fleet.state["a"].last_ok == 100.0
+
+
+@pytest.mark.parametrize(("conf", "state", "capacity"), [
+    (ModelConf(parallel=4), PollResult(ok=True, slots=2), 4),  # config wins
+    (ModelConf(), PollResult(ok=True, slots=3), 3),  # learned from a single server's /props
+    (ModelConf(), PollResult(ok=True), 1),  # nothing known
+    (ModelConf(), PollResult(ok=True, router=True, slots=3, models={"m": ModelCtx(4096, 6)}), 6),
+    (ModelConf(), PollResult(ok=True, router=True), 1),  # router: host-level slots mean nothing
+])
+def test_capacity(conf: ModelConf, state: PollResult, capacity: int) -> None:
+    fleet = fleet_of(a={"m": conf})
+    fleet.apply("a", state)
+    assert fleet.capacity("a", "m") == capacity
+
+
+def test_free_slots_prefer_the_hosts_own_report_but_never_exceed_ours() -> None:
+    fleet = fleet_of(a={"m": ModelConf(parallel=4)})
+    assert fleet.free_slots("a", "m", in_flight=1) == 3  # nothing reported: capacity - in-flight
+    fleet.apply("a", PollResult(ok=True, free_slots={"": 1}))
+    assert fleet.free_slots("a", "m", in_flight=1) == 1
+    fleet.apply("a", PollResult(ok=True, free_slots={"": 4}))
+    assert fleet.free_slots("a", "m", in_flight=3) == 1
+    assert fleet.free_slots("a", "m", in_flight=9) == 0
+
+
+def test_loaded_on_router_means_status_loaded() -> None:
+    fleet = fleet_of(a={"m": ModelConf(), "n": ModelConf()})
+    fleet.apply("a", PollResult(ok=True, router=True, loaded=frozenset({"n"})))
+    assert not fleet.loaded("a", "m")
+    assert fleet.loaded("a", "n")
+
+
+def test_slot_ctx_per_model_on_router_host_level_on_single() -> None:
+    fleet = fleet_of(r={"m": ModelConf()}, s={"m": ModelConf()}, o={"m": ModelConf(ctx=999)})
+    fleet.apply("r", PollResult(ok=True, router=True, models={"m": ModelCtx(8192, 2)}))
+    fleet.apply("s", PollResult(ok=True, n_ctx=2048, slots=2))
+    fleet.apply("o", PollResult(ok=True, n_ctx=2048, slots=2))
+    assert fleet.slot_ctx("r", "m") == 8192
+    assert fleet.slot_ctx("s", "m") == 2048
+    assert fleet.slot_ctx("o", "m") == 999
+
+
+# ---------------------------------------------------------------- polling real HTTP
+
+
+async def test_poller_reads_a_single_server() -> None:
+    async with SimServer(SimConfig(models=["m"], n_slots=3, ctx=6144)) as sim:
+        fleet = Fleet({"a": host_conf("a", sim.url)})
+        poller = Poller(fleet, interval=60, timeout=2)
+        try:
+            await poller.poll_once()
+        finally:
+            await poller.stop()
+        st = fleet.state["a"]
+        assert st.healthy and not st.router
+        assert (st.n_ctx, st.slots) == (2048, 3)
+        assert st.free_slots == {"": 3}
+        assert fleet.capacity("a", "m") == 3
+
+
+async def test_poller_never_makes_a_router_load_a_model() -> None:
+    cfg = SimConfig(models=["tiny-a", "tiny-b"], router=True, models_max=1, n_slots=2, ctx=4096)
+    async with SimServer(cfg) as sim:
+        models = {"tiny-a": ModelConf(), "tiny-b": ModelConf()}
+        fleet = Fleet({"r": host_conf("r", sim.url, models)})
+        poller = Poller(fleet, interval=60, timeout=2)
+        try:
+            for _ in range(3):
+                await poller.poll_once()
+            assert sim.stats.loads == {} or sum(sim.stats.loads.values()) == 0
+            st = fleet.state["r"]
+            assert st.router and st.loaded == frozenset() and st.models == {}
+            # a client loads tiny-b; the poller then learns its context, and still loads nothing
+            async with asyncio.timeout(5):
+                await _chat(sim.url, "tiny-b")
+            loads_before = dict(sim.stats.loads)
+            for _ in range(3):
+                await poller.poll_once()
+            assert sim.stats.loads == loads_before
+            assert st.loaded == frozenset({"tiny-b"})
+            assert st.models["tiny-b"] == ModelCtx(n_ctx=2048, slots=2)
+            assert fleet.slot_ctx("r", "tiny-b") == 2048 and fleet.slot_ctx("r", "tiny-a") == 0
+        finally:
+            await poller.stop()
+
+
+async def test_poller_marks_a_refusing_host_down_and_recovers_after_two_polls() -> None:
+    async with SimServer(SimConfig(models=["m"])) as sim:
+        fleet = Fleet({"a": host_conf("a", sim.url)})
+        poller = Poller(fleet, interval=60, timeout=1)
+        try:
+            await poller.poll_once()
+            sim.set(refuse=True)
+            await poller.poll_once()
+            assert not fleet.healthy("a") and fleet.state["a"].last_err
+            sim.set(refuse=False)
+            await poller.poll_once()
+            assert not fleet.healthy("a")
+            await poller.poll_once()
+            assert fleet.healthy("a")
+        finally:
+            await poller.stop()
+
+
+async def test_poll_of_a_hung_host_is_bounded_by_the_timeout() -> None:
+    async with SimServer(SimConfig(models=["m"])) as sim:
+        fleet = Fleet({"a": host_conf("a", sim.url)})
+        poller = Poller(fleet, interval=60, timeout=0.3)
+        sim.set(hang=True)
+        try:
+            async with asyncio.timeout(5):
+                await poller.poll_once()
+            assert not fleet.healthy("a")
+            assert "timed out" in fleet.state["a"].last_err
+        finally:
+            sim.set(hang=False)
+            await poller.stop()
+
+
+async def _chat(url: str, model: str) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.post(
+        f"{url}/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "x"}]}
+    ) as resp:
+        assert resp.status == 200
+        await resp.read()
