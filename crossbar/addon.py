@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from typing import Any
 
@@ -21,6 +23,7 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.connection import Client
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
+from crossbar import errors
 from crossbar import request as req
 from crossbar.admin import Admin, is_admin_path
 from crossbar.app import Router
@@ -52,6 +55,7 @@ class Crossbar:
         self._gone: dict[str, asyncio.Event] = {}  # client connection id → set when it leaves
         self._current: dict[str, http.HTTPFlow] = {}  # client connection id → flow being forwarded
         self.listen_specs: list[str] = []
+        self.stopping = False
 
     # ------------------------------------------------------------ options and lifecycle
 
@@ -107,10 +111,36 @@ class Crossbar:
         log.info("crossbar: serving on %s", ", ".join(f"{h}:{p}" for h, p, *_ in ps.listen_addrs()))
 
     async def done(self) -> None:
+        """SIGTERM/SIGINT: refuse new connections, answer new requests on open ones with 503,
+        let in-flight streams finish (up to `drain_timeout`), flush the store, exit 0.
+        A second signal exits at once."""
+        self.stopping = True
+        if self.router is None:
+            return
+        self._exit_on_next_signal()
+        ctx.options.update(mode=[])
+        if self.router.live:
+            log.info("crossbar: waiting for %d request(s) to finish", len(self.router.live))
+            if not await self.router.drain(self.router.cfg.drain_timeout):
+                log.warning("crossbar: %d request(s) still running after drain_timeout",
+                            len(self.router.live))
         if self._session:
             await self._session.close()
-        if self.router:
-            await self.router.close()
+        await self.router.close()
+        log.info("crossbar: stopped")
+
+    @staticmethod
+    def _exit_on_next_signal() -> None:
+        def now() -> None:
+            log.warning("crossbar: second signal, exiting without waiting")
+            os._exit(1)
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, now)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests)
+                return
 
     # ------------------------------------------------------------ client tracking
 
@@ -135,10 +165,14 @@ class Crossbar:
         if is_admin_path(target):
             await self._admin(flow)
             return
+        if self.stopping:
+            self._answer(flow, errors.unavailable("crossbar is shutting down", retry_after=5), None)
+            return
         ex: Exchange | None = None
         try:
             ex = self._exchange(flow)
             flow.metadata[META] = ex
+            self.router.live.add(ex)
             if ex.completion:
                 self.router.lease(ex)
             else:

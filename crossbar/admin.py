@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs
 
-from crossbar import errors
+from crossbar import dashboard, errors
 from crossbar.app import Router
 from crossbar.config import ConfigError, parse_duration
 from crossbar.errors import CrossbarError
@@ -66,6 +66,11 @@ class Admin:
     ) -> Reply:
         parts = [p for p in path.split("/") if p]
         match (method, parts):
+            case ("GET", []):
+                return Reply(200, dashboard.page(), {"Content-Type": "text/html; charset=utf-8",
+                                                     "Cache-Control": "no-store"})
+            case ("GET", ["events"]):
+                return json_reply(await self.events(query))
             case ("GET", ["hosts"]):
                 return json_reply(self.hosts())
             case ("GET", ["routes"]):
@@ -78,7 +83,8 @@ class Admin:
                 return await self.usage(query, headers.get("accept", ""))
             case ("GET", ["metrics"]):
                 return Reply(200, self.router.metrics.exposition(), {"Content-Type": METRICS_CONTENT_TYPE})
-            case (_, ["hosts"] | ["routes"] | ["routes", _] | ["hosts", _] | ["usage"] | ["metrics"]):
+            case (_, [] | ["events"] | ["hosts"] | ["routes"] | ["routes", _] | ["hosts", _] | ["usage"]
+                  | ["metrics"]):
                 raise CrossbarError(405, "method_not_allowed", f"{method} is not allowed on {PREFIX}{path}")
         raise errors.not_found(f"no admin endpoint {PREFIX}{path}")
 
@@ -182,6 +188,19 @@ class Admin:
             r.leases.drain(name, time.time())
         r.fleet.set_draining(name, drain)
         return {"ok": True}
+
+    async def events(self, query: dict[str, list[str]]) -> list[dict[str, Any]]:
+        """Recent lease moves, newest first."""
+        try:
+            limit = min(1000, max(1, int(_one(query, "limit", "50"))))
+        except ValueError:
+            raise errors.bad_request("'limit' must be a number") from None
+        rows = await asyncio.to_thread(self.router.store.lease_events, limit)
+        return [
+            {"ts": rfc3339(e.ts), "route": e.route, "fp": e.fp, "model": e.model,
+             "from": e.from_host or "", "to": e.to_host or "", "reason": e.reason}
+            for e in rows
+        ]
 
     # ------------------------------------------------------------ usage
 

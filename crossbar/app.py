@@ -39,6 +39,8 @@ class Router:
         self.poller = Poller(
             self.fleet, cfg.poll_interval, cfg.poll_timeout, self._on_poll, self._on_poll_round
         )
+        self.live: set[Exchange] = set()  # forwarded and not finished: what a graceful stop waits for
+        self._housekeeping: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -54,8 +56,25 @@ class Router:
 
     def start_background(self) -> None:
         self.poller.start()
+        self._housekeeping = asyncio.get_running_loop().create_task(self._roll_up(), name="crossbar-rollup")
+
+    async def _roll_up(self) -> None:
+        """Rows older than `retention` go into `requests_daily`, on the store's writer thread."""
+        every = min(3600.0, max(1.0, self.cfg.retention / 10))
+        while True:
+            self.store.schedule_rollup(time.time() - self.cfg.retention)
+            await asyncio.sleep(every)
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until every forwarded request has finished (or `timeout`); True when none is left."""
+        deadline = time.monotonic() + timeout
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.live
 
     async def close(self) -> None:
+        if self._housekeeping:
+            self._housekeeping.cancel()
         await self.poller.stop()
         await asyncio.to_thread(self.store.close)
 
@@ -174,6 +193,7 @@ class Router:
         if ex.finished:
             return
         ex.finished = True
+        self.live.discard(ex)
         ex.cancel_deadline()
         self.free_slot(ex)
         if not ex.completion:
