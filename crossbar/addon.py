@@ -27,10 +27,11 @@ from crossbar import errors
 from crossbar import request as req
 from crossbar.admin import Admin, is_admin_path
 from crossbar.app import Router
-from crossbar.config import Config, ConfigError, load_config
+from crossbar.config import Config, ConfigError, RouteConf, load_config
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
 from crossbar.flowcap import FlowCap
+from crossbar.identity import HeaderPeer, IdentityError, Tailscale, admitted
 from crossbar.lease import Key
 from crossbar.limiter import ClientGone
 from crossbar.store import StoreError
@@ -40,6 +41,7 @@ from crossbar.upstream import forward_headers, preflight, resend
 log = logging.getLogger("crossbar")
 
 META = "crossbar"
+MAIN, ADMIN, ROUTE = "main", "admin", "route"  # listener roles
 PLACEHOLDER = "http://127.0.0.1:1"  # reverse target never contacted: every request is rewritten
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 PASSIVE_DOWN_STATUSES = frozenset({502, 503, 504})
@@ -55,7 +57,9 @@ class Crossbar:
         self._gone: dict[str, asyncio.Event] = {}  # client connection id → set when it leaves
         self._current: dict[str, http.HTTPFlow] = {}  # client connection id → flow being forwarded
         self.listen_specs: list[str] = []
+        self._roles: dict[str, tuple[str, str]] = {}  # listener spec → (role, route name)
         self.stopping = False
+        self.tailscale = Tailscale()
 
     # ------------------------------------------------------------ options and lifecycle
 
@@ -91,14 +95,37 @@ class Crossbar:
         except StoreError as exc:
             log.error("crossbar: %s", exc)
             return
+        if not await self._start_identity():
+            await router.close()
+            return
         self.router, self.admin = router, Admin(router)
         self._session = aiohttp.ClientSession()
         router.start_background()
         await self._listen()
 
-    async def _listen(self) -> None:
+    async def _start_identity(self) -> bool:
         assert self.cfg is not None
-        self.listen_specs = [f"reverse:{PLACEHOLDER}@{self.cfg.listen}"]
+        if self.cfg.identity == "tailscale":
+            try:
+                version = await self.tailscale.check()
+            except IdentityError as exc:
+                log.error("crossbar: %s", exc)
+                return False
+            log.info("crossbar: identity from tailscale %s", version)
+        elif self.cfg.identity == "header":
+            log.warning("crossbar: identity = \"header\" trusts X-Crossbar-Peer from anyone: for tests only")
+        return True
+
+    async def _listen(self) -> None:
+        """Open every listener the TOML names: the main one, each route's own, the admin one."""
+        assert self.cfg is not None
+        self._roles = {f"reverse:{PLACEHOLDER}@{self.cfg.listen}": (MAIN, "")}
+        if self.cfg.admin_listen is not None:
+            self._roles[f"reverse:{PLACEHOLDER}@{self.cfg.admin_listen}"] = (ADMIN, "")
+        for name, route in self.cfg.routes.items():
+            if route.listen is not None:
+                self._roles[f"reverse:{PLACEHOLDER}@{route.listen}"] = (ROUTE, name)
+        self.listen_specs = list(self._roles)
         ctx.options.update(server=True, mode=self.listen_specs)
         ps = ctx.master.addons.get("proxyserver")
         for _ in range(500):  # the option change starts the servers on a task
@@ -161,22 +188,23 @@ class Crossbar:
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or self.router is None:
             return
-        target = flow.request.path
-        if is_admin_path(target):
-            await self._admin(flow)
+        role, route_name = self._roles.get(flow.client_conn.proxy_mode.full_spec, (MAIN, ""))
+        if is_admin_path(flow.request.path) or role == ADMIN:
+            await self._admin(flow, role)
             return
         if self.stopping:
             self._answer(flow, errors.unavailable("crossbar is shutting down", retry_after=5), None)
             return
         ex: Exchange | None = None
         try:
-            ex = self._exchange(flow)
+            ex = await self._exchange(flow, route_name)
             flow.metadata[META] = ex
             self.router.live.add(ex)
             if ex.completion:
-                self.router.lease(ex)
+                await self.router.lease(ex)
+                await self.router.guard(ex)
             else:
-                self.router.host_for_read(ex)
+                await self.router.host_for_read(ex)
             await self.router.take_slot(ex, self._gone_event(flow))
         except CrossbarError as exc:
             self._answer(flow, exc, ex)
@@ -202,22 +230,47 @@ class Crossbar:
         if not close_server_connection(flow):
             log.warning("could not close the upstream connection of a hung request to %s", ex.host)
 
-    def _exchange(self, flow: http.HTTPFlow) -> Exchange:
+    async def _exchange(self, flow: http.HTTPFlow, listener_route: str) -> Exchange:
+        """Route, caller identity and body peek. A route's own listener makes every request that
+        route, with its path unchanged; control calls there take no slot and write no row."""
         assert self.cfg is not None
         r = flow.request
-        resolved = req.resolve(r.method, r.path, r.headers.get("x-crossbar-route"), self.cfg.routes)
+        if listener_route:
+            resolved = req.resolve_listener(r.method, r.path, self.cfg.routes[listener_route])
+            control = req.is_control(r.method, resolved.path)
+        else:
+            resolved = req.resolve(r.method, r.path, r.headers.get("x-crossbar-route"), self.cfg.routes)
+            control = resolved.path not in req.COMPLETION_PATHS
         route = resolved.route
-        if resolved.path in req.COMPLETION_PATHS:
-            peek = req.peek_body(r.raw_content, resolved.path, route.default_model, self.cfg.max_body)
-            fp = peek.fingerprint if route.affinity == "conversation" else ""
-            return Exchange(
-                route=route, key=Key(route.name, fp, peek.model), path=resolved.upstream_path,
-                completion=True, stream=peek.stream,
-                prompt_tokens_est=req.estimate_prompt_tokens(peek.prompt_bytes),
-            )
-        model = r.query.get("model") or route.default_model
-        return Exchange(route=route, key=Key(route.name, "", model), path=resolved.upstream_path,
-                        completion=False)
+        await self._admit(flow, route)
+        if control:
+            model = r.query.get("model") or route.default_model
+            return Exchange(route=route, key=Key(route.name, "", model), path=resolved.upstream_path,
+                            completion=False)
+        peek = req.peek_body(r.raw_content, resolved.path, route.default_model, self.cfg.max_body)
+        fp = peek.fingerprint if route.affinity == "conversation" else ""
+        return Exchange(
+            route=route, key=Key(route.name, fp, peek.model), path=resolved.upstream_path,
+            completion=True, stream=peek.stream, prompt_bytes=peek.prompt_bytes,
+        )
+
+    async def _admit(self, flow: http.HTTPFlow, route: RouteConf) -> None:
+        """A route that lists `peers` answers 403 to anyone else; an identity that cannot be
+        established is a 503, never an open door."""
+        assert self.cfg is not None
+        if not route.peers or self.cfg.identity == "off":
+            return
+        try:
+            if self.cfg.identity == "header":
+                names = await HeaderPeer().names_from(flow.request.headers)
+            else:
+                names = await self.tailscale.names(flow.client_conn.peername[0])
+        except IdentityError as exc:
+            log.warning("crossbar: identity check failed: %s", exc)
+            raise errors.unavailable(f"cannot establish who is calling: {exc}", retry_after=5) from exc
+        if not admitted(route.peers, names):
+            raise errors.CrossbarError(403, "permission_error",
+                                       f"route {route.name!r} is not open to this caller")
 
     def _forward(self, flow: http.HTTPFlow, ex: Exchange) -> None:
         assert self.cfg is not None
@@ -234,8 +287,14 @@ class Crossbar:
             ex.status = exc.status
             ex.err = ex.err or exc.message
 
-    async def _admin(self, flow: http.HTTPFlow) -> None:
-        assert self.admin is not None
+    async def _admin(self, flow: http.HTTPFlow, role: str) -> None:
+        """The admin API is served on the admin listener when there is one, else on the main
+        listener; never on a route's own listener."""
+        assert self.admin is not None and self.cfg is not None
+        serves_admin = ADMIN if self.cfg.admin_listen is not None else MAIN
+        if role != serves_admin or not is_admin_path(flow.request.path):
+            self._answer(flow, errors.not_found(f"no such path here: {flow.request.path[:100]!r}"), None)
+            return
         reply = await self.admin.handle(
             flow.request.method, flow.request.path, flow.request.headers, flow.request.raw_content or b""
         )
@@ -277,6 +336,8 @@ class Crossbar:
         ex.cancel_deadline()
         ex.mark_first_byte()
         ex.status = flow.response.status_code
+        if ex.ctx_moved:
+            flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
         if ex.completion and ex.status in RETRY_STATUSES and not ex.retried:
             ex.retry_pending = True  # leave the (small) error body buffered: nothing reaches the client yet
             return
@@ -329,8 +390,11 @@ class Crossbar:
             ex.err = f"retry on {ex.host} failed: {exc}"
             return
         ex.ttfb_ms = (ex.ttfb_ms or 0) + int((time.monotonic() - t0) * 1000)
-        flow.response = http.Response.make(new_status, body, headers)
+        fields = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        flow.response = http.Response.make(new_status, body, http.Headers(fields))
         flow.response.headers["X-Crossbar-Retried"] = "1"
+        if ex.ctx_moved:
+            flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
         if flow.response.headers.get("content-type", "").startswith("text/event-stream"):
             tap = SSETap()
             tap(body)

@@ -67,8 +67,7 @@ class Admin:
         parts = [p for p in path.split("/") if p]
         match (method, parts):
             case ("GET", []):
-                return Reply(200, dashboard.page(), {"Content-Type": "text/html; charset=utf-8",
-                                                     "Cache-Control": "no-store"})
+                return Reply(200, dashboard.page(), dict(dashboard.HEADERS))
             case ("GET", ["events"]):
                 return json_reply(await self.events(query))
             case ("GET", ["hosts"]):
@@ -154,7 +153,6 @@ class Admin:
         now = time.time()
         if body.get("release") is True:
             n = r.leases.release(name, now)
-            r.metrics.lease_moves.labels("release").inc(n)
             return {"ok": True, "released": n}
         pin = body.get("pin")
         if pin is False:
@@ -173,7 +171,6 @@ class Admin:
             r.leases.pin(name, host, conf.hosts, now)
         except UnknownHost as exc:
             raise errors.bad_request(f"host {host!r} is not a candidate of route {name!r}") from exc
-        r.metrics.lease_moves.labels("pin").inc()
         return {"ok": True}
 
     def change_host(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -206,45 +203,73 @@ class Admin:
 
     async def usage(self, query: dict[str, list[str]], accept: str) -> Reply:
         by = _one(query, "by", "route")
-        if by not in ("route", "model", "host"):
-            raise errors.bad_request("'by' must be route, model or host")
+        if by not in USAGE_BY:
+            raise errors.bad_request(f"'by' must be one of {', '.join(USAGE_BY)}, not {by!r}")
         since = parse_since(_one(query, "since", "24h"), time.time())
-        store = self.router.store
-        rows = await asyncio.to_thread(store.usage, since, by)
+        rows = await asyncio.to_thread(self._usage_rows, since, by)
         if "text/plain" in accept:
             return Reply(200, usage_table(rows).encode(), {"Content-Type": "text/plain; charset=utf-8"})
         return json_reply(rows)
 
+    def _usage_rows(self, since: float, by: str) -> list[dict[str, Any]]:
+        store = self.router.store
+        rows = store.usage(since, by)
+        if by == "host":
+            rows = with_uptime(rows, store.host_uptime(since))
+        return rows
+
+
+USAGE_BY = ("route", "model", "host", "decision")
+USAGE_COLUMNS = ("requests", "errors", "busy_ms", "queued_ms", "prompt_tokens", "cached_tokens",
+                 "completion_tokens")
+_SPACED_OFFSET = re.compile(r"(T[0-9:.]+) ([0-9]{2}:?[0-9]{2})$")
+
 
 def parse_since(value: str, now: float) -> float:
-    """RFC 3339 time, or a duration back from now (`24h`, `7d`)."""
+    """RFC 3339 time, or a duration back from now (`24h`, `7d`); never before the epoch."""
     try:
-        return now - parse_duration(value, "since")
+        return max(0.0, now - parse_duration(value, "since"))
     except ConfigError:
         pass
+    # an unescaped "+" in a query string arrives as a space: "…T00:00:00 01:00"
+    text = _SPACED_OFFSET.sub(r"\1+\2", value.strip())
     try:
-        ts = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        ts = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         raise errors.bad_request(
             f"'since' must be an RFC 3339 time or a duration such as 24h or 7d, not {value!r}"
         ) from None
     if ts.tzinfo is None:
         raise errors.bad_request("'since' needs a time zone (e.g. 2026-11-30T00:00:00Z)")
-    return ts.timestamp()
+    return max(0.0, ts.timestamp())
 
 
-USAGE_COLUMNS = ("requests", "errors", "busy_ms", "queued_ms", "prompt_tokens", "cached_tokens",
-                 "completion_tokens")
+def with_uptime(rows: list[dict[str, Any]], uptime: dict[str, float]) -> list[dict[str, Any]]:
+    """`by=host` rows gain `uptime`: the share of healthy polls since `since` (null when none).
+    A host that was polled but served nothing still gets a row, with zero counts."""
+    seen = {row["key"] for row in rows}
+    zero = dict.fromkeys(USAGE_COLUMNS, 0)
+    rows = rows + [{"key": host, **zero} for host in uptime if host not in seen]
+    for row in rows:
+        share = uptime.get(row["key"])
+        row["uptime"] = None if share is None else round(share, 4)
+    return sorted(rows, key=lambda row: row["key"])
 
 
 def usage_table(rows: list[dict[str, Any]]) -> str:
     head = ["key", "requests", "errors", "busy_ms", "queued_ms", "prompt", "cached", "completion",
             "cache_hit"]
+    uptime = any("uptime" in row for row in rows)
+    if uptime:
+        head.append("uptime")
     lines = [head]
     for row in rows:
         prompt, cached = row.get("prompt_tokens") or 0, row.get("cached_tokens") or 0
         hit = f"{cached / prompt:.2f}" if prompt else "-"
-        lines.append([str(row["key"] or "-")] + [str(row.get(c) or 0) for c in USAGE_COLUMNS] + [hit])
+        line = [str(row["key"] or "-")] + [str(row.get(c) or 0) for c in USAGE_COLUMNS] + [hit]
+        if uptime:
+            line.append("-" if row.get("uptime") is None else f"{row['uptime']:.4f}")
+        lines.append(line)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "".join(
         " ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths,

@@ -16,11 +16,13 @@ from crossbar import errors
 from crossbar.choose import Candidate, choose
 from crossbar.config import Config, RouteConf
 from crossbar.exchange import Exchange
+from crossbar.guard import TokenEstimator, fits, overflow
 from crossbar.hosts import Fleet, Poller, PollResult
 from crossbar.lease import Grant, LeaseTable, NoHost, PinnedDown
 from crossbar.limiter import ClientGone, Limiter, QueueFull
 from crossbar.metrics import LiveCollector, Metrics, SlotRow
 from crossbar.store import Store
+from crossbar.wake import Waker
 
 log = logging.getLogger("crossbar")
 
@@ -33,12 +35,15 @@ class Router:
         self.limiter = Limiter(cfg.queue_max, self.fleet.capacity)
         self.leases = LeaseTable(self.store, self.fleet, self._choose, cfg.lease_idle)
         self.metrics = Metrics()
+        self.store.on_event(self.metrics.lease_moved)  # one count per lease_events row, every reason
         self.metrics.add_live(
             LiveCollector(self._health_rows, self._slot_rows, lambda: self.store.errors, self.leases.count)
         )
         self.poller = Poller(
             self.fleet, cfg.poll_interval, cfg.poll_timeout, self._on_poll, self._on_poll_round
         )
+        self.estimator = TokenEstimator()
+        self.waker = Waker(cfg.hosts, self.fleet.healthy, self.poller.poll_one)
         self.live: set[Exchange] = set()  # forwarded and not finished: what a graceful stop waits for
         self._housekeeping: asyncio.Task[None] | None = None
 
@@ -103,26 +108,35 @@ class Router:
             log.warning("no host has %r loaded; placing it on %s, which will load it", model, choice.host)
         return choice.host if choice else None
 
-    def lease(self, ex: Exchange, exclude: Iterable[str] = ()) -> Grant:
-        """Pick the host for this request (sticky lease); errors are the client's answer."""
+    async def lease(self, ex: Exchange, exclude: Iterable[str] = (), reason: str = "unhealthy") -> Grant:
+        """Pick the host for this request (sticky lease). With no healthy host left, wake a sleeping
+        candidate (wake-on-LAN) and try once more. Errors are the client's answer."""
         try:
-            grant = self.leases.acquire(ex.key, ex.route.hosts, time.time(), frozenset(exclude))
-        except PinnedDown as exc:
-            self.metrics.rejected.labels("pinned_down").inc()
-            raise errors.unavailable(str(exc), retry_after=self._poll_wait()) from exc
+            grant = self._acquire(ex, exclude, reason)
         except NoHost as exc:
-            self.metrics.rejected.labels("no_host").inc()
-            raise errors.no_healthy_host([], self._poll_wait()) from exc
-        if grant.moved_from:
-            self.metrics.lease_moves.labels("unhealthy").inc()
-        elif grant.decision in ("new", "inherited"):
-            self.metrics.lease_moves.labels(str(grant.decision)).inc()
+            woke = await self.waker.wake(ex.route.hosts)
+            if not woke:
+                self.metrics.rejected.labels("no_host").inc()
+                raise errors.no_healthy_host([], self._poll_wait()) from exc
+            try:
+                grant = self._acquire(ex, exclude, reason)
+            except NoHost:
+                self.metrics.rejected.labels("no_host").inc()
+                raise errors.no_healthy_host(woke, self._poll_wait()) from exc
         ex.host, ex.decision = grant.host, str(grant.decision)
         return grant
 
-    def host_for_read(self, ex: Exchange) -> None:
-        """A GET pass-through (/v1/models, /health, /props) is answered by the host the route's
-        conversations for that model live on, else by the best candidate. It creates no lease."""
+    def _acquire(self, ex: Exchange, exclude: Iterable[str], reason: str) -> Grant:
+        try:
+            return self.leases.acquire(ex.key, ex.route.hosts, time.time(), frozenset(exclude), reason)
+        except PinnedDown as exc:
+            self.metrics.rejected.labels("pinned_down").inc()
+            raise errors.unavailable(str(exc), retry_after=self._poll_wait()) from exc
+
+    async def host_for_read(self, ex: Exchange) -> None:
+        """A GET pass-through (/v1/models, /health, /props) or a control call is answered by the
+        host the route's conversations for that model live on, else by the best candidate. It
+        creates no lease."""
         pin = self.leases.pinned(ex.key.route)
         if pin:
             if not self.fleet.healthy(pin):
@@ -136,9 +150,51 @@ class Router:
                 return
         usable = [h for h in ex.route.hosts if self.fleet.healthy(h)]
         if not usable:
-            raise errors.no_healthy_host([], self._poll_wait())
+            woke = await self.waker.wake(ex.route.hosts)
+            usable = [h for h in ex.route.hosts if self.fleet.healthy(h)]
+            if not usable:
+                raise errors.no_healthy_host(woke, self._poll_wait())
         ex.host = (self._choose(usable, ex.model) if ex.model else None) or usable[0]
         ex.decision = "new"
+
+    async def guard(self, ex: Exchange) -> None:
+        """Context guard, after the lease: a prompt that does not fit the leased host's per-slot
+        context moves (with its lease) to a candidate where it fits; fitting nowhere is a 400 in
+        llama-server's own shape. A context that is unknown never blocks."""
+        est = self.estimator.estimate(ex.model, ex.prompt_bytes)
+        ex.prompt_tokens_est = est
+        if fits(est, self.fleet.slot_ctx(ex.host, ex.model)):
+            return
+        fitting = self._fitting(ex.route.hosts, ex.model, est)
+        if not fitting:
+            await self.waker.wake([h for h in ex.route.hosts if self._could_fit(h, ex.model, est)])
+            fitting = self._fitting(ex.route.hosts, ex.model, est)
+        if not fitting:
+            self.metrics.rejected.labels("context").inc()
+            raise overflow(est, self.largest_slot_ctx(ex.model))
+        was = ex.host
+        try:
+            grant_host = self.leases.acquire(ex.key, fitting, time.time(), frozenset({was}), "context").host
+        except (NoHost, PinnedDown) as exc:
+            self.metrics.rejected.labels("context").inc()
+            raise overflow(est, self.largest_slot_ctx(ex.model)) from exc
+        log.warning("prompt of ~%d tokens does not fit %s; moved %s/%s to %s", est, was, ex.key.route,
+                    ex.model, grant_host)
+        ex.host, ex.decision, ex.ctx_moved = grant_host, "moved:context", f"moved:{was}>{grant_host}"
+
+    def _fitting(self, names: Sequence[str], model: str, tokens: int) -> list[str]:
+        return [h for h in names if self.fleet.healthy(h) and not self.fleet.draining(h)
+                and fits(tokens, self.fleet.slot_ctx(h, model))]
+
+    def _could_fit(self, host: str, model: str, tokens: int) -> bool:
+        """A sleeping host worth waking for this prompt: it serves the model and its per-slot
+        context (configured or last learned) is unknown or large enough."""
+        return self.fleet.conf[host].serves(model) and fits(tokens, self.fleet.slot_ctx(host, model))
+
+    def largest_slot_ctx(self, model: str) -> int:
+        """The largest per-slot context among hosts that have the model loaded."""
+        return max((self.fleet.slot_ctx(h, model) for h in self.cfg.hosts
+                    if self.fleet.loaded(h, model)), default=0)
 
     async def take_slot(self, ex: Exchange, gone: asyncio.Event | None) -> None:
         """Wait (bounded FIFO) for a slot on the leased host; 503 + Retry-After when the queue is full."""
@@ -170,7 +226,7 @@ class Router:
         ex.excluded.add(failed)
         self.free_slot(ex)
         try:
-            self.lease(ex, exclude=ex.excluded)
+            await self.lease(ex, exclude=ex.excluded)
         except errors.CrossbarError:
             ex.host = failed
             return False
@@ -208,6 +264,7 @@ class Router:
         u = ex.usage
         if u is None:
             return
+        self.estimator.learn(ex.model, ex.prompt_bytes, u.prompt_tokens)
         for kind, value in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens),
                             ("completion", u.completion_tokens)):
             if value:
@@ -222,9 +279,7 @@ class Router:
 
     def _on_poll_round(self) -> None:
         self.limiter.refresh()
-        expired = self.leases.expire_idle(time.time())
-        if expired:
-            self.metrics.lease_moves.labels("idle").inc(expired)
+        self.leases.expire_idle(time.time())
 
     # ------------------------------------------------------------ live views
 

@@ -281,14 +281,9 @@ class Poller:
         self.rounds = 0
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._wake = asyncio.Event()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="crossbar-poller")
-
-    def poke(self) -> None:
-        """Poll again now (e.g. after a passive mark), without waiting for the interval."""
-        self._wake.set()
 
     async def stop(self) -> None:
         if self._task:
@@ -300,21 +295,32 @@ class Poller:
             await self._session.close()
             self._session = None
 
-    async def poll_once(self) -> None:
+    def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
                 connector=aiohttp.TCPConnector(limit_per_host=2, force_close=False),
             )
+        return self._session
+
+    async def poll_once(self) -> None:
         names: Sequence[str] = list(self.fleet.conf)
-        results = await asyncio.gather(*(poll_host(self._session, self.fleet.conf[n]) for n in names))
+        session = self._client()
+        results = await asyncio.gather(*(poll_host(session, self.fleet.conf[n]) for n in names))
         for name, res in zip(names, results, strict=True):
-            changed = self.fleet.apply(name, res)
-            if self.on_result:
-                self.on_result(name, res, changed)
+            self._apply(name, res)
         self.rounds += 1
         if self.on_round:
             self.on_round()
+
+    async def poll_one(self, name: str) -> None:
+        """Poll one host now (a host being woken up), outside the regular rounds."""
+        self._apply(name, await poll_host(self._client(), self.fleet.conf[name]))
+
+    def _apply(self, name: str, res: PollResult) -> None:
+        changed = self.fleet.apply(name, res)
+        if self.on_result:
+            self.on_result(name, res, changed)
 
     async def _run(self) -> None:
         while True:
@@ -322,6 +328,4 @@ class Poller:
                 await self.poll_once()
             except Exception:  # a poll bug must not kill health tracking
                 log.exception("health poll round failed")
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval)
+            await asyncio.sleep(self.interval)

@@ -27,6 +27,7 @@ IDLE = "idle"
 PIN = "pin"
 RELEASE = "release"
 DRAIN = "drain"
+CONTEXT = "context"  # the context guard moved a conversation to a host where its prompt fits
 
 
 class LeaseError(Exception):
@@ -52,6 +53,7 @@ class Decision(StrEnum):
     PINNED = "pinned"
     MOVED = "moved:unhealthy"
     IDLE = "moved:idle"
+    CONTEXT = "moved:context"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +144,11 @@ class LeaseTable:
     # ---- the request path -------------------------------------------------------------------
 
     def acquire(
-        self, key: Key, candidates: Sequence[str], now: float, exclude: Collection[str] = ()
+        self, key: Key, candidates: Sequence[str], now: float, exclude: Collection[str] = (),
+        reason: str = UNHEALTHY,
     ) -> Grant:
-        """The host for this request; `exclude` holds hosts that just failed it (treated as unhealthy)."""
+        """The host for this request; `exclude` holds hosts that just failed it (treated as unhealthy).
+        `reason` names why an existing lease that cannot stay moves (event and decision)."""
         pin = self._pins.get(key.route)
         if pin is not None:
             return self._acquire_pinned(key, pin, now, exclude)
@@ -162,8 +166,9 @@ class LeaseTable:
             self._use(lease, now)
             return Grant(lease.host, Decision.REUSED)
         host, _ = self._place(key, candidates, (*exclude, lease.host))
-        self._move(lease, host, now, UNHEALTHY)
-        return Grant(host, Decision.MOVED, moved_from=lease.host)
+        self._move(lease, host, now, reason)
+        decision = Decision.CONTEXT if reason == CONTEXT else Decision.MOVED
+        return Grant(host, decision, moved_from=lease.host)
 
     def _acquire_pinned(self, key: Key, pin: str, now: float, exclude: Collection[str]) -> Grant:
         if pin in exclude or not self._hosts.healthy(pin):

@@ -17,6 +17,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TPS_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
 
+# the reasons of lease events (crossbar.lease), shown at 0 before the first one happens
+LEASE_REASONS = ("new", "unhealthy", "idle", "pin", "release", "drain", "context")
+
 # (host, model, free_slots, in_flight, queued, capacity)
 SlotRow = tuple[str, str, int, int, int, int]
 
@@ -76,8 +79,11 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.lease_moves = Counter(
-            "crossbar_lease_moves", "Lease changes by reason", ["reason"], registry=r,
+            "crossbar_lease_moves", "Lease events by reason (one per lease_events row)", ["reason"],
+            registry=r,
         )
+        for reason in LEASE_REASONS:
+            self.lease_moves.labels(reason)
         self.generation_tps = Histogram(
             "crossbar_generation_tokens_per_second", "Generation speed from llama-server timings",
             ["host", "model"], buckets=_TPS_BUCKETS, registry=r,
@@ -86,6 +92,10 @@ class Metrics:
             "crossbar_rejected", "Requests crossbar answered itself with an error, by reason", ["reason"],
             registry=r,
         )
+
+    def lease_moved(self, reason: str) -> None:
+        """The lease table recorded an event (a store listener: one call per lease_events row)."""
+        self.lease_moves.labels(reason).inc()
 
     def add_live(self, collector: LiveCollector) -> None:
         self.registry.register(collector)

@@ -36,6 +36,14 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset(
     }
 )
 COMPLETION_PATHS: frozenset[str] = frozenset({CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH})
+# A route's own listener also serves clients that manage their llama-server slot themselves.
+CONTROL_POSTS: frozenset[str] = frozenset({"/tokenize", "/v1/chat/completions/control"})
+LISTENER_ALLOWED: frozenset[tuple[str, str]] = (
+    ALLOWED
+    | {("GET", "/slots")}
+    | {("POST", p) for p in CONTROL_POSTS}
+    | {("HEAD", p) for m, p in ALLOWED | {("GET", "/slots")} if m == "GET"}
+)
 BARE_PATHS: frozenset[str] = frozenset(path for _, path in ALLOWED)
 
 ROUTE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -179,6 +187,21 @@ def resolve(
         upstream = "/" + rest
     _check_allowed(method, upstream)
     return Resolved(route=route, path=upstream, query=query)
+
+
+def resolve_listener(method: str, raw_path: str, route: RouteConf) -> Resolved:
+    """A request on a route's own listener: every request is that route, its path goes upstream
+    unchanged. Bare `/slots` is allowed, `/slots/<id>` actions are not."""
+    path, _, query = raw_path.partition("?")
+    if (method, path) not in LISTENER_ALLOWED:
+        raise not_found(f"path not allowed: {_show_path(method)} {_show_path(path)}")
+    return Resolved(route=route, path=path, query=query)
+
+
+def is_control(method: str, path: str) -> bool:
+    """A control call rides beside its own stream: it follows the lease, takes no slot, skips the
+    context guard and writes no accounting row."""
+    return method in ("GET", "HEAD") or path in CONTROL_POSTS
 
 
 # ---------------------------------------------------------------- bodies

@@ -61,7 +61,7 @@ BATCH = 500
 BUSY_TIMEOUT_MS = 2000
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0
-USAGE_KEYS = ("route", "model", "host")
+USAGE_KEYS = ("route", "model", "host", "decision")
 
 
 class StoreError(Exception):
@@ -127,7 +127,7 @@ class RequestRow(SQLModel, table=True):
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     err: str | None = None
-    decision: str | None = None  # reused|new|inherited|pinned|moved:unhealthy|retried
+    decision: str | None = None  # reused|new|inherited|pinned|moved:unhealthy|moved:idle|retried
 
 
 class HostHealthRow(SQLModel, table=True):
@@ -143,7 +143,7 @@ class HostHealthRow(SQLModel, table=True):
 
 
 class RequestDailyRow(SQLModel, table=True):
-    """Per-day rollup of `requests` (host "" when NULL), filled by `Store.rollup`."""
+    """Per-day rollup of `requests` (host and decision "" when NULL), filled by `Store.rollup`."""
 
     __tablename__ = "requests_daily"
 
@@ -151,6 +151,7 @@ class RequestDailyRow(SQLModel, table=True):
     route: str = Field(primary_key=True)
     model: str = Field(primary_key=True)
     host: str = Field(primary_key=True)
+    decision: str = Field(default="", primary_key=True)
     requests: int = 0
     errors: int = 0
     busy_ms: int = 0
@@ -206,14 +207,21 @@ def _day_of(started: ColumnElement[Any]) -> ColumnElement[str]:
     return func.date(started, "unixepoch")
 
 
+def _key_column(t: Table, key: str) -> ColumnElement[str]:
+    """The grouping column of `requests` for a usage key; NULL host/decision group as ""."""
+    return func.coalesce(t.c[key], "") if key in ("host", "decision") else t.c[key]
+
+
+_DAILY_KEYS = ("route", "model", "host", "decision")
+
+
 def _requests_rollup(older_than: float) -> Select[Any]:
     r = REQUESTS
+    keys = [_key_column(r, k) for k in _DAILY_KEYS]
     return (
         select(
             _day_of(r.c.started),
-            r.c.route,
-            r.c.model,
-            func.coalesce(r.c.host, ""),
+            *keys,
             func.count(),
             func.sum(_is_error(r)),
             func.coalesce(func.sum(r.c.total_ms), 0),
@@ -223,23 +231,23 @@ def _requests_rollup(older_than: float) -> Select[Any]:
             func.coalesce(func.sum(r.c.completion_tokens), 0),
         )
         .where(r.c.started < older_than)
-        .group_by(_day_of(r.c.started), r.c.route, r.c.model, func.coalesce(r.c.host, ""))
+        .group_by(_day_of(r.c.started), *keys)
     )
 
 
 def _daily_upsert(older_than: float) -> Any:
-    cols = ["day", "route", "model", "host", "requests", "errors", *_SUMMED]
+    cols = ["day", *_DAILY_KEYS, "requests", "errors", *_SUMMED]
     stmt = sqlite_insert(DAILY).from_select(cols, _requests_rollup(older_than))
     added = ["requests", "errors", *_SUMMED]
     return stmt.on_conflict_do_update(
-        index_elements=["day", "route", "model", "host"],
+        index_elements=["day", *_DAILY_KEYS],
         set_={c: DAILY.c[c] + stmt.excluded[c] for c in added},
     )
 
 
 def _request_usage(key: str, since: float) -> Select[Any]:
     r = REQUESTS
-    col = func.coalesce(r.c.host, "") if key == "host" else r.c[key]
+    col = _key_column(r, key)
     return (
         select(
             col.label("key"),
@@ -319,8 +327,25 @@ def _create_schema(url: URL) -> None:
             if str(mode).lower() != "wal":
                 raise OperationalError("PRAGMA journal_mode = WAL", {}, Exception(f"journal mode {mode}"))
         SQLModel.metadata.create_all(engine, tables=TABLES)
+        with engine.begin() as conn:
+            _add_daily_decision(conn)
     finally:
         engine.dispose()
+
+
+def _add_daily_decision(conn: Connection) -> None:
+    """A `requests_daily` written before `decision` became part of its key: rebuild it, decision ""."""
+    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(requests_daily)")}
+    if "decision" in columns:
+        return
+    names = ", ".join(["day", "route", "model", "host", "requests", "errors", *_SUMMED])
+    conn.exec_driver_sql("ALTER TABLE requests_daily RENAME TO requests_daily_old")
+    DAILY.create(conn)
+    conn.exec_driver_sql(
+        f"INSERT INTO requests_daily ({names}, decision) SELECT {names}, '' FROM requests_daily_old"
+    )
+    conn.exec_driver_sql("DROP TABLE requests_daily_old")
+    log.info("store: requests_daily now keeps the lease decision of its rows")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -400,6 +425,7 @@ class Store:
         self._thread: threading.Thread | None = None
         self._writer: Engine | None = None
         self._reader: Engine | None = None
+        self._event_listeners: list[Callable[[str], None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -492,6 +518,15 @@ class Store:
     ) -> None:
         data = {"ts": float(ts), "route": route, "fp": fp, "model": model, "reason": reason}
         self._put("event", {**data, "from_host": from_host, "to_host": to_host})
+        for listener in self._event_listeners:
+            try:
+                listener(reason)
+            except Exception:
+                log.exception("store: a lease event listener failed")
+
+    def on_event(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(reason)` for every lease event recorded (metrics count them)."""
+        self._event_listeners.append(listener)
 
     def record_request(self, row: dict[str, Any]) -> None:
         try:
@@ -695,10 +730,12 @@ class Store:
     @staticmethod
     def _rollup(conn: Connection, older_than: float) -> int:
         conn.execute(_daily_upsert(older_than))
+        conn.execute(delete(HEALTH).where(HEALTH.c.ts < older_than))
         return conn.execute(delete(REQUESTS).where(REQUESTS.c.started < older_than)).rowcount
 
     def rollup(self, older_than: float) -> int:
-        """Move `requests` rows older than `older_than` into `requests_daily`, in one transaction.
+        """Move `requests` rows older than `older_than` into `requests_daily`, in one transaction;
+        health observations that old are deleted (uptime covers at most the retention period).
 
         The synchronous implementation (tests call it directly); the proxy uses `schedule_rollup`.
         """
@@ -735,7 +772,11 @@ class Store:
             return list(session.scalars(stmt))
 
     def usage(self, since: float, by: str) -> list[dict[str, Any]]:
-        """Per-key sums (by route, model or host) of requests since `since`, rolled-up days included."""
+        """Per-key sums (by route, model, host or decision) of requests since `since`.
+
+        Rolled-up days are included whole from the day `since` falls on (UTC): once rows are rolled
+        up, the day is the smallest unit. A NULL host or decision is the key "".
+        """
         if by not in USAGE_KEYS:
             raise ValueError(f"usage: by must be one of {', '.join(USAGE_KEYS)}, not {by!r}")
         with self._session() as session:

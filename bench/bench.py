@@ -1,0 +1,989 @@
+"""crossbar benchmark: overhead, decision cost and cache affinity, side by side in one run.
+
+    .venv/bin/python bench/bench.py [--quick] [--only overhead|decision|affinity] [--out FILE.json]
+
+1. overhead  - TTFB and per-SSE-event delay: direct to a simulated llama-server, through a bare
+               `mitmdump` reverse proxy, and through crossbar (all three are subprocesses), at
+               4 KiB, 256 KiB and 1 MiB chat bodies, requests interleaved round-robin.
+2. decision  - crossbar's request-path work (route, body peek, lease, slot, upstream rewrite)
+               in-process at 1,000 live leases and 3 hosts, beside bare mitmdump's own cost.
+3. affinity  - 12 conversations x 20 growing turns on 3 simulated hosts: share of prompt tokens
+               served from cache through crossbar, round-robin, and ideal.
+
+Targets are reported as PASS/MISS, never asserted: the exit code is 0 unless something crashed.
+Loopback only; every process this script starts is stopped by it (also on Ctrl-C and SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import contextlib
+import datetime as dt
+import hashlib
+import inspect
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import aiohttp
+from mitmproxy import http
+from mitmproxy import version as mitmproxy_version
+from mitmproxy.test import tflow, tutils
+
+from crossbar import request as req
+from crossbar.addon import META, Crossbar
+from crossbar.app import Router
+from crossbar.config import Config, parse_config
+from crossbar.exchange import Exchange
+from crossbar.lease import Key
+from crossbar.sim import SimConfig, SimServer
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PYTHON = sys.executable
+MITMDUMP = str(Path(sys.executable).with_name("mitmdump"))
+LOOPBACK = "127.0.0.1"
+MODEL = "bench-model"
+CHAT = "/v1/chat/completions"
+KIB = 1024
+SIZES = {"4 KiB": 4 * KIB, "256 KiB": 256 * KIB, "1 MiB": 1024 * KIB}
+FILLER = ("The quick brown fox jumps over the lazy dog while the agent reads the repository, "
+          "plans a change, runs the tests and explains what it found. ")
+
+TTFB_TARGET = 1.15  # crossbar's added TTFB <= 1.15 x bare mitmdump's
+EVENT_TARGET = 1.10  # crossbar's per-event delay <= 1.1 x bare mitmdump's
+DECISION_TARGET = 0.15  # crossbar's decision cost <= 15 % of bare mitmdump's own per-request cost
+AFFINITY_TARGET = 0.98  # crossbar's cached share >= 0.98 x ideal
+THINK_MAX_S = 0.03  # affinity: pause before each turn, uniform in [0, THINK_MAX_S]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much work each section does (`--quick` shrinks it to a smoke run)."""
+
+    overhead_n: int = 100  # measured requests per target and body size
+    overhead_warmup: int = 3
+    token_ms: float = 10.0
+    max_tokens: int = 10
+    decision_n: dict[str, int] = field(default_factory=lambda: {"4 KiB": 3000, "1 MiB": 200})
+    leases: int = 1000
+    conversations: int = 12
+    turns: int = 20
+    in_flight: int = 5
+
+
+QUICK = Plan(overhead_n=15, overhead_warmup=2, decision_n={"4 KiB": 300, "1 MiB": 30},
+             conversations=6, turns=8, in_flight=3)
+
+
+# ---------------------------------------------------------------------------- small helpers
+
+
+def now_ns() -> int:
+    return time.monotonic_ns()
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """Percentile with linear interpolation between closest ranks; NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
+
+
+def fmt(value: float | int | None, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:,.{digits}f}"
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "MISS")
+
+
+def markdown(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def filler(n: int) -> str:
+    return (FILLER * (n // len(FILLER) + 1))[:n]
+
+
+def section(title: str, table: str, notes: Sequence[str] = ()) -> None:
+    print(f"\n### {title}\n\n{table}\n", flush=True)
+    for note in notes:
+        print(note, flush=True)
+
+
+# ---------------------------------------------------------------------------- processes
+
+LIVE: list[subprocess.Popen[bytes]] = []
+
+
+@atexit.register
+def _reap() -> None:
+    """Last resort (a crash between start and stop): kill what is still running."""
+    for proc in LIVE:
+        if proc.poll() is None:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwinds like Ctrl-C, so every `finally` stops its process
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+def spawn(name: str, cmd: Sequence[str], logdir: Path) -> Proc:
+    log = logdir / f"{name}.log"
+    # no PYTHONPATH: with the project root on it, addons/crossbar.py imports itself as `crossbar`
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as out:
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 cwd=ROOT, env=env, start_new_session=True)
+    LIVE.append(popen)
+    return Proc(name, popen, log)
+
+
+async def stop(proc: Proc, timeout: float = 10.0) -> None:
+    """SIGTERM (mitmdump runs its `done` hooks), then SIGKILL after `timeout`."""
+    popen = proc.popen
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while popen.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait(5)
+    with contextlib.suppress(ValueError):
+        LIVE.remove(popen)
+
+
+async def wait_ready(proc: Proc, port: int, path: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+        if await get_status(port, path) == 200:
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{proc.name} not ready on :{port}{path} after {timeout:g}s:\n{proc.tail()}")
+
+
+@contextlib.asynccontextmanager
+async def running(name: str, cmd: Sequence[str], logdir: Path, port: int, ready_path: str,
+                  ) -> AsyncIterator[Proc]:
+    proc = spawn(name, cmd, logdir)
+    try:
+        await wait_ready(proc, port, ready_path)
+        yield proc
+    finally:
+        await stop(proc)
+
+
+def sim_cmd(port: int, token_ms: float, max_tokens: int) -> list[str]:
+    """The stamped simulated llama-server (slot cache only: no host-RAM cache work per request)."""
+    return [PYTHON, str(ROOT / "bench" / "stamped_sim.py"), "--host", LOOPBACK, "--port", str(port),
+            "--model", MODEL, "--slots", "2", "--ctx", str(8 * 1024 * 1024), "--token-ms", str(token_ms),
+            "--prompt-ms", "0", "--cache-ram-tokens", "0", "--max-tokens", str(max_tokens)]
+
+
+def bare_mitmdump_cmd(port: int, upstream: int) -> list[str]:
+    return [MITMDUMP, "--mode", f"reverse:http://{LOOPBACK}:{upstream}@{LOOPBACK}:{port}",
+            "--set", "connection_strategy=lazy", "--set", "flow_detail=0",
+            "--set", "termlog_verbosity=warn", "--set", "stream_large_bodies=1"]
+
+
+def crossbar_cmd(config: Path) -> list[str]:
+    return [MITMDUMP, "-s", str(ROOT / "addons" / "crossbar.py"), "--set", f"crossbar_config={config}",
+            "--set", "server=false", "--set", "flow_detail=0", "--set", "termlog_verbosity=warn"]
+
+
+def toml_str(value: str) -> str:
+    return json.dumps(value)
+
+
+def write_crossbar_toml(path: Path, port: int, db: Path, hosts: dict[str, int], route: str,
+                        poll_interval: str, parallel: int) -> Path:
+    lines = [f"listen = {toml_str(f'{LOOPBACK}:{port}')}", f"db = {toml_str(str(db))}",
+             f"poll_interval = {toml_str(poll_interval)}", 'poll_timeout = "2s"', ""]
+    for name, host_port in hosts.items():
+        lines += [f"[hosts.{name}]", f"base_url = {toml_str(f'http://{LOOPBACK}:{host_port}')}",
+                  f"models = {{ {toml_str(MODEL)} = {{ parallel = {parallel} }} }}", ""]
+    lines += [f"[routes.{route}]", f"default_model = {toml_str(MODEL)}", ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+# ---------------------------------------------------------------------------- raw HTTP/1.1 client
+
+
+async def get_status(port: int, path: str) -> int:
+    """Status of one GET on a fresh connection; 0 when it fails."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(LOOPBACK, port), 2)
+    except (OSError, TimeoutError):
+        return 0
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {LOOPBACK}\r\nConnection: close\r\n\r\n".encode())
+        line = await asyncio.wait_for(reader.readline(), 5)
+        return int(line.split()[1]) if line.startswith(b"HTTP/") else 0
+    except (OSError, TimeoutError, ValueError, IndexError):
+        return 0
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+@dataclass
+class Streamed:
+    status: int
+    ttfb_ns: int  # request start -> first response body byte
+    events: list[tuple[int, int | None]]  # (arrival ns, the sim's write stamp ns or None)
+
+
+def stamp_of(event: bytes) -> int | None:
+    at = event.rfind(b'"bench_ns":')
+    if at < 0:
+        return None
+    digits = bytearray()
+    for byte in event[at + 11:]:
+        if not 48 <= byte <= 57:
+            break
+        digits.append(byte)
+    return int(digits) if digits else None
+
+
+class SSEClock:
+    """Splits a body into SSE events and notes when each one was complete."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.events: list[tuple[int, int | None]] = []
+
+    def feed(self, data: bytes, at: int) -> None:
+        *complete, self.buf = (self.buf + data).split(b"\n\n")
+        for event in complete:
+            if event.startswith(b"data:"):
+                self.events.append((at, stamp_of(event)))
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 client connection (reopened if the server closes it)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+        self.reader = self.writer = None
+
+    async def post_stream(self, path: str, body: bytes, timeout: float = 60.0) -> Streamed:
+        return await asyncio.wait_for(self._post(path, body), timeout)
+
+    async def _post(self, path: str, body: bytes) -> Streamed:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(LOOPBACK, self.port)
+        assert self.reader is not None
+        head = (f"POST {path} HTTP/1.1\r\nHost: {LOOPBACK}:{self.port}\r\nContent-Type: application/json\r\n"
+                f"Accept: */*\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        t0 = now_ns()
+        self.writer.write(head + body)
+        await self.writer.drain()
+        status, headers = await read_head(self.reader)
+        clock = SSEClock()
+        first = 0
+        async for chunk in body_chunks(self.reader, headers):
+            at = now_ns()
+            first = first or at
+            clock.feed(chunk, at)
+        if "close" in headers.get("connection", "").lower() or not is_framed(headers):
+            await self.close()
+        return Streamed(status, (first or now_ns()) - t0, clock.events)
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    raw = await reader.readuntil(b"\r\n\r\n")
+    lines = raw.decode("latin-1").split("\r\n")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name:
+            headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split()[1]), headers
+
+
+def is_framed(headers: dict[str, str]) -> bool:
+    return "chunked" in headers.get("transfer-encoding", "").lower() or "content-length" in headers
+
+
+async def body_chunks(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                while await reader.readuntil(b"\r\n") != b"\r\n":
+                    pass  # trailers
+                return
+            data = await reader.readexactly(size + 2)
+            yield data[:-2]
+    elif "content-length" in headers:
+        length = int(headers["content-length"])
+        if length:
+            yield await reader.readexactly(length)
+    else:
+        while data := await reader.read(65536):
+            yield data
+
+
+# ---------------------------------------------------------------------------- 1. overhead
+
+
+@dataclass
+class Target:
+    name: str
+    port: int
+    path: str
+    conn: Conn
+
+
+@dataclass
+class Cell:
+    """Samples of one target at one body size."""
+
+    ttfb_ms: list[float] = field(default_factory=list)
+    delay_ms: list[float] = field(default_factory=list)  # arrival - the sim's stamp, every event
+    gap_dev_ms: list[float] = field(default_factory=list)  # |inter-event gap - token_ms|
+    errors: int = 0
+
+    def add(self, got: Streamed, token_ms: float) -> None:
+        if got.status != 200 or not got.events:
+            self.errors += 1
+            return
+        self.ttfb_ms.append(got.ttfb_ns / 1e6)
+        self.delay_ms += [(at - stamp) / 1e6 for at, stamp in got.events if stamp is not None]
+        arrivals = [at for at, stamp in got.events if stamp is not None]
+        # the first token renders two events back to back; gaps between tokens start after it
+        tokens = arrivals[1:-1]
+        self.gap_dev_ms += [abs((b - a) / 1e6 - token_ms) for a, b in itertools.pairwise(tokens)]
+
+    def summary(self) -> dict[str, Any]:
+        return {"n": len(self.ttfb_ms), "errors": self.errors,
+                "ttfb_p50_ms": pct(self.ttfb_ms, 50), "ttfb_p99_ms": pct(self.ttfb_ms, 99),
+                "event_delay_p50_ms": pct(self.delay_ms, 50), "event_delay_p99_ms": pct(self.delay_ms, 99),
+                "events": len(self.delay_ms),
+                "gap_dev_p50_ms": pct(self.gap_dev_ms, 50), "gap_dev_p99_ms": pct(self.gap_dev_ms, 99)}
+
+
+def chat_body_template(size: int, max_tokens: int, stream: bool = True) -> Callable[[int], bytes]:
+    """Bodies of exactly `size` bytes: one conversation (the same padded system and first user
+    message, so one fingerprint and a warm slot cache) whose last user message counts up."""
+    messages = [{"role": "system", "content": "@PAD@"},
+                {"role": "user", "content": "Read the document above and wait for questions."},
+                {"role": "assistant", "content": "Done. Ask away."},
+                {"role": "user", "content": "Question @NUM@: what does section 2 say?"}]
+    text = json.dumps({"model": MODEL, "messages": messages, "stream": stream, "max_tokens": max_tokens})
+    pad = size - (len(text) - len("@PAD@")) - (8 - len("@NUM@"))
+    if pad < 0:
+        raise ValueError(f"body size {size} is too small")
+    head, tail = text.replace("@PAD@", filler(pad)).encode().split(b"@NUM@")
+    return lambda i: head + b"%08d" % i + tail
+
+
+async def overhead_size(targets: Sequence[Target], size: int, plan: Plan) -> dict[str, Cell]:
+    body = chat_body_template(size, plan.max_tokens)
+    cells = {t.name: Cell() for t in targets}
+    for i in range(plan.overhead_warmup):
+        for t in targets:
+            await t.conn.post_stream(t.path, body(i))
+    for i in range(plan.overhead_n):
+        for t in targets:  # round-robin: drift hits every target alike
+            cells[t.name].add(await t.conn.post_stream(t.path, body(plan.overhead_warmup + i)), plan.token_ms)
+    return cells
+
+
+def overhead_rows(size_name: str, cells: dict[str, Cell]) -> tuple[list[list[str]], dict[str, Any]]:
+    s = {name: cell.summary() for name, cell in cells.items()}
+    d = s["direct"]
+    rows, out = [], {"targets": s}
+    for name, v in s.items():
+        added50 = v["ttfb_p50_ms"] - d["ttfb_p50_ms"]
+        added99 = v["ttfb_p99_ms"] - d["ttfb_p99_ms"]
+        v["added_ttfb_p50_ms"], v["added_ttfb_p99_ms"] = added50, added99
+        rows.append([size_name, name, fmt(v["ttfb_p50_ms"]), fmt(v["ttfb_p99_ms"]),
+                     "-" if name == "direct" else fmt(added50), "-" if name == "direct" else fmt(added99),
+                     fmt(v["event_delay_p50_ms"], 3), fmt(v["event_delay_p99_ms"], 3),
+                     str(v["n"]) + (f" ({v['errors']} err)" if v["errors"] else "")])
+    m, x = s["mitmdump"], s["crossbar"]
+    out["ratios"] = {
+        "added_ttfb_p50": ratio(x["added_ttfb_p50_ms"], m["added_ttfb_p50_ms"]),
+        "added_ttfb_p99": ratio(x["added_ttfb_p99_ms"], m["added_ttfb_p99_ms"]),
+        "event_delay_p50": ratio(x["event_delay_p50_ms"], m["event_delay_p50_ms"]),
+        "event_delay_p99": ratio(x["event_delay_p99_ms"], m["event_delay_p99_ms"]),
+    }
+    return rows, out
+
+
+async def run_overhead(plan: Plan, workdir: Path) -> dict[str, Any]:
+    sim_port, mitm_port, xb_port = free_port(), free_port(), free_port()
+    config = write_crossbar_toml(workdir / "overhead.toml", xb_port, workdir / "overhead.db",
+                                 {"sim": sim_port}, "bench", poll_interval="30s", parallel=2)
+    targets = [Target("direct", sim_port, CHAT, Conn(sim_port)),
+               Target("mitmdump", mitm_port, CHAT, Conn(mitm_port)),
+               Target("crossbar", xb_port, "/bench" + CHAT, Conn(xb_port))]
+    result: dict[str, Any] = {"token_ms": plan.token_ms, "max_tokens": plan.max_tokens,
+                              "requests_per_target": plan.overhead_n, "warmup": plan.overhead_warmup,
+                              "sizes": {}}
+    rows: list[list[str]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(running("sim", sim_cmd(sim_port, plan.token_ms, plan.max_tokens),
+                                                workdir, sim_port, "/health"))
+        await stack.enter_async_context(running("mitmdump", bare_mitmdump_cmd(mitm_port, sim_port),
+                                                workdir, mitm_port, "/health"))
+        await stack.enter_async_context(running("crossbar", crossbar_cmd(config), workdir, xb_port,
+                                                "/_crossbar/hosts"))
+        for t in targets:
+            stack.push_async_callback(t.conn.close)
+        for size_name, size in SIZES.items():
+            cells = await overhead_size(targets, size, plan)
+            size_rows, result["sizes"][size_name] = overhead_rows(size_name, cells)
+            rows += size_rows
+    result["table"] = overhead_table(rows, result["sizes"])
+    section("Overhead (ms; added = target - direct at the same percentile)", result["table"])
+    return result
+
+
+def overhead_table(rows: list[list[str]], sizes: dict[str, Any]) -> str:
+    main = markdown(["body", "target", "TTFB p50", "TTFB p99", "added p50", "added p99",
+                     "event delay p50", "event delay p99", "requests"], rows)
+    ratio_rows = [[name, fmt(r["ratios"]["added_ttfb_p50"]), fmt(r["ratios"]["added_ttfb_p99"]),
+                   fmt(r["ratios"]["event_delay_p50"]), fmt(r["ratios"]["event_delay_p99"])]
+                  for name, r in sizes.items()]
+    ratios = markdown(["body", "added TTFB p50 ratio", "added TTFB p99 ratio", "event delay p50 ratio",
+                       "event delay p99 ratio"], ratio_rows)
+    return (main + "\n\ncrossbar / bare mitmdump (targets: TTFB <= "
+            f"{TTFB_TARGET}, event delay <= {EVENT_TARGET}):\n\n" + ratios)
+
+
+# ---------------------------------------------------------------------------- 2. decision cost
+
+
+STEPS = ("resolve", "peek", "lease", "guard", "take_slot", "rewrite")
+
+
+async def maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def decision_config(db: Path) -> Config:
+    hosts = {f"h{i}": {"base_url": f"http://{LOOPBACK}:{9 + i}", "models": {MODEL: {"parallel": 4}}}
+             for i in range(3)}
+    return parse_config({"listen": f"{LOOPBACK}:7777", "db": str(db), "hosts": hosts,
+                         "routes": {"bench": {"default_model": MODEL}}})
+
+
+async def prefill_leases(router: Router, cfg: Config, count: int) -> None:
+    route = cfg.routes["bench"]
+    for i in range(count):
+        fp = hashlib.sha256(b"conversation %d" % i).hexdigest()
+        ex = Exchange(route=route, key=Key(route.name, fp, MODEL), path=CHAT, completion=True)
+        await maybe_await(router.lease(ex))
+    router.store.flush(30)
+
+
+def request_flow(body: bytes) -> http.HTTPFlow:
+    request = tutils.treq(method=b"POST", path=b"/bench" + CHAT.encode(), host=LOOPBACK, port=7777,
+                          content=body, headers=http.Headers(content_type="application/json"))
+    return tflow.tflow(req=request)
+
+
+def reset_request(flow: http.HTTPFlow) -> None:
+    r = flow.request
+    r.scheme, r.host, r.port, r.path = "http", LOOPBACK, 7777, "/bench" + CHAT
+    flow.response = None
+    flow.metadata.clear()
+
+
+class StepClock:
+    """Wraps the functions the request hook calls and adds up the time spent in each (ns)."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = {}
+
+    def _add(self, name: str, started: int) -> None:
+        self.ns[name] = self.ns.get(name, 0) + time.perf_counter_ns() - started
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(fn):
+            async def timed_async(*args: Any, **kw: Any) -> Any:
+                started = time.perf_counter_ns()
+                try:
+                    return await fn(*args, **kw)
+                finally:
+                    self._add(name, started)
+            return timed_async
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            started = time.perf_counter_ns()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self._add(name, started)
+        return timed
+
+
+@contextlib.contextmanager
+def instrumented(addon: Crossbar, router: Router, clock: StepClock) -> Iterator[None]:
+    """Time the real hook's parts in place: crossbar.request.resolve/peek_body (module functions
+    the addon calls), the router's lease/guard/take_slot and the addon's upstream rewrite."""
+    plain = {"resolve": req.resolve, "peek": req.peek_body}
+    req.resolve = clock.wrap("resolve", plain["resolve"])  # type: ignore[assignment]
+    req.peek_body = clock.wrap("peek", plain["peek"])  # type: ignore[assignment]
+    patched: list[tuple[object, str]] = []
+    for obj, attr, name in ((router, "lease", "lease"), (router, "guard", "guard"),
+                            (router, "take_slot", "take_slot"), (addon, "_forward", "rewrite")):
+        if hasattr(obj, attr):
+            setattr(obj, attr, clock.wrap(name, getattr(obj, attr)))
+            patched.append((obj, attr))
+    try:
+        yield
+    finally:
+        req.resolve, req.peek_body = plain["resolve"], plain["peek"]  # type: ignore[assignment]
+        for obj, attr in patched:
+            delattr(obj, attr)  # the instance attribute goes; the class's method shows again
+
+
+async def hook_once(addon: Crossbar, router: Router, flow: http.HTTPFlow) -> tuple[int, int]:
+    """The real `Crossbar.request` hook, timed whole, then `free_slot` (ns each); the rest of
+    the request's bookkeeping (`finish`: lease touch, accounting row) runs untimed."""
+    reset_request(flow)
+    t0 = time.perf_counter_ns()
+    await addon.request(flow)
+    t1 = time.perf_counter_ns()
+    ex = flow.metadata.get(META)
+    if flow.response is not None or ex is None:
+        answer = flow.response.get_text() if flow.response is not None else "no exchange"
+        raise RuntimeError(f"crossbar did not forward the benchmark request: {answer}")
+    t2 = time.perf_counter_ns()
+    router.free_slot(ex)
+    t3 = time.perf_counter_ns()
+    router.finish(ex)
+    router.store.flush(10)  # every round starts with an idle store writer, as at a modest request rate
+    return t1 - t0, t3 - t2
+
+
+async def decision_size(addon: Crossbar, router: Router, size: int, n: int) -> dict[str, Any]:
+    flow = request_flow(chat_body_template(size, 16)(1))
+    warmup = 5  # the first round creates this conversation's lease
+    hooks, frees = [], []
+    for i in range(warmup + n):
+        hook, free = await hook_once(addon, router, flow)
+        if i >= warmup:
+            hooks.append(hook / 1e3)
+            frees.append(free / 1e3)
+    parts: dict[str, list[float]] = {}
+    for _ in range(n):
+        clock = StepClock()
+        with instrumented(addon, router, clock):
+            hook, _ = await hook_once(addon, router, flow)
+        for name, ns in clock.ns.items():
+            parts.setdefault(name, []).append(ns / 1e3)
+        parts.setdefault("other", []).append((hook - sum(clock.ns.values())) / 1e3)
+    decision = [h + f for h, f in zip(hooks, frees, strict=True)]
+    return {"n": n, "body_bytes": len(flow.request.raw_content or b""), "leases": router.leases.count(),
+            "hook_p50_us": pct(hooks, 50), "hook_p99_us": pct(hooks, 99),
+            "free_slot_p50_us": pct(frees, 50),
+            "total_p50_us": pct(decision, 50), "total_p99_us": pct(decision, 99),
+            "steps_p50_us": {k: pct(v, 50) for k, v in parts.items()},
+            "steps_p99_us": {k: pct(v, 99) for k, v in parts.items()}}
+
+
+@contextlib.asynccontextmanager
+async def decision_router(workdir: Path, leases: int) -> AsyncIterator[tuple[Crossbar, Router]]:
+    cfg = decision_config(workdir / "decision.db")
+    router = Router(cfg)
+    router.open()
+    try:
+        addon = Crossbar()
+        addon.cfg, addon.router = cfg, router
+        await prefill_leases(router, cfg, leases - 1)  # + the measured conversation's own lease = `leases`
+        yield addon, router
+    finally:
+        await router.close()
+
+
+async def run_decision(plan: Plan, workdir: Path, overhead: dict[str, Any] | None) -> dict[str, Any]:
+    result: dict[str, Any] = {"hosts": 3, "sizes": {}}
+    async with decision_router(workdir, plan.leases) as (addon, router):
+        for size_name, n in plan.decision_n.items():
+            result["sizes"][size_name] = await decision_size(addon, router, SIZES[size_name], n)
+    for size_name, d in result["sizes"].items():
+        mitm = overhead["sizes"][size_name]["targets"]["mitmdump"] if overhead else None
+        d["mitmdump_added_ttfb_p50_ms"] = mitm["added_ttfb_p50_ms"] if mitm else math.nan
+        d["mitmdump_added_ttfb_p99_ms"] = mitm["added_ttfb_p99_ms"] if mitm else math.nan
+        d["mitmdump_ttfb_p50_ms"] = mitm["ttfb_p50_ms"] if mitm else math.nan
+        d["ratio_p50"] = ratio(d["total_p50_us"] / 1e3, d["mitmdump_added_ttfb_p50_ms"])
+        d["ratio_p99"] = ratio(d["total_p99_us"] / 1e3, d["mitmdump_added_ttfb_p99_ms"])
+        d["ratio_of_full_ttfb_p50"] = ratio(d["total_p50_us"] / 1e3, d["mitmdump_ttfb_p50_ms"])
+    result["table"] = decision_table(result["sizes"], plan.leases)
+    section("Decision cost (in-process, µs)", result["table"])
+    return result
+
+
+def decision_table(sizes: dict[str, Any], leases: int) -> str:
+    rows = [[name, fmt(d["total_p50_us"], 1), fmt(d["total_p99_us"], 1),
+             fmt(d["mitmdump_added_ttfb_p50_ms"] * 1e3, 0), fmt(d["mitmdump_added_ttfb_p99_ms"] * 1e3, 0),
+             fmt(d["ratio_p50"], 3), fmt(d["ratio_p99"], 3)]
+            for name, d in sizes.items()]
+    main = markdown(["body", "crossbar decision p50", "p99", "bare mitmdump own cost p50", "p99",
+                     "ratio p50", "ratio p99"], rows)
+    names = [s for s in (*STEPS, "other") if any(s in d["steps_p50_us"] for d in sizes.values())]
+    steps = markdown(["body", *names, "free_slot"],
+                     [[name, *[fmt(d["steps_p50_us"].get(s), 1) for s in names],
+                       fmt(d["free_slot_p50_us"], 1)] for name, d in sizes.items()])
+    return (f"{leases:,} live leases, 3 hosts. Decision = the real `Crossbar.request` hook on a mitmproxy "
+            "flow (route, body peek, lease, slot, upstream rewrite) + `free_slot`; bare mitmdump's own "
+            "per-request cost = its added TTFB from the overhead section "
+            f"(target: ratio <= {DECISION_TARGET}).\n\n"
+            + main + "\n\nWhere the time goes (p50, µs; `other` = the hook minus its timed parts):\n\n"
+            + steps)
+
+
+# ---------------------------------------------------------------------------- 3. affinity
+
+
+@dataclass
+class Turn:
+    conv: int
+    turn: int
+    status: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def conversation(conv: int, turns: int) -> Iterator[list[dict[str, str]]]:
+    """Growing turns: each appends an assistant answer and a new user message to the last one."""
+    messages = [{"role": "system", "content": f"You are coding agent {conv}. " + filler(1000)},
+                {"role": "user", "content": f"Task {conv}: make the failing test in module_{conv}.py pass."}]
+    for t in range(turns):
+        yield [dict(m) for m in messages]
+        messages += [{"role": "assistant", "content": f"Step {t} of agent {conv}: " + filler(150)},
+                     {"role": "user", "content": f"Tool output {t} for agent {conv}: " + filler(60)}]
+
+
+def usage_of(reply: dict[str, Any]) -> tuple[int, int]:
+    usage = reply.get("usage") or {}
+    timings = reply.get("timings") or {}
+    cached = timings.get("cache_n")
+    if cached is None:
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return int(usage.get("prompt_tokens", 0)), int(cached)
+
+
+Send = Callable[[list[dict[str, str]]], Awaitable[tuple[int, dict[str, Any]]]]
+
+
+async def drive(send: Send, plan: Plan) -> list[Turn]:
+    """All conversations at once, each turn after the previous one, at most `in_flight` requests."""
+    gate = asyncio.Semaphore(plan.in_flight)
+    turns: list[Turn] = []
+
+    async def one(conv: int) -> None:
+        think = random.Random(conv)  # the same think times for every method
+        for t, messages in enumerate(conversation(conv, plan.turns)):
+            # a varied pause between turns (tool runs, the user typing), as with real agents; in
+            # lock-step, round-robin would send each conversation to the same host every time
+            await asyncio.sleep(think.uniform(0, THINK_MAX_S))
+            async with gate:
+                status, reply = await send(messages)
+            turns.append(Turn(conv, t, status, *(usage_of(reply) if status == 200 else (0, 0))))
+
+    await asyncio.gather(*(one(c) for c in range(plan.conversations)))
+    return turns
+
+
+def poster(session: aiohttp.ClientSession, urls: Callable[[], str]) -> Send:
+    async def send(messages: list[dict[str, str]]) -> tuple[int, dict[str, Any]]:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": False}
+        async with session.post(urls(), json=body, timeout=aiohttp.ClientTimeout(total=60)) as resp:
+            reply = await resp.json(content_type=None) if resp.status == 200 else {}
+            return resp.status, reply
+
+    return send
+
+
+def shares(turns: list[Turn]) -> dict[str, Any]:
+    ok = sorted((t for t in turns if t.status == 200), key=lambda t: (t.conv, t.turn))
+    prev: dict[int, Turn] = {}
+    ideal = 0
+    for t in ok:
+        before = prev.get(t.conv)
+        ideal += before.prompt_tokens if before is not None and before.turn == t.turn - 1 else 0
+        prev[t.conv] = t
+    prompt = sum(t.prompt_tokens for t in ok)
+    cached = sum(t.cached_tokens for t in ok)
+    return {"requests": len(ok), "errors": len(turns) - len(ok), "prompt_tokens": prompt,
+            "cached_tokens": cached, "ideal_cached_tokens": ideal,
+            "cached_share": ratio(cached, prompt), "ideal_share": ratio(ideal, prompt)}
+
+
+@contextlib.asynccontextmanager
+async def sim_fleet(cache_ram_tokens: int) -> AsyncIterator[list[SimServer]]:
+    sims: list[SimServer] = []
+    try:
+        for _ in range(3):
+            sim = SimServer(SimConfig(models=[MODEL], n_slots=2, ctx=32768, token_ms=2.0,
+                                      prompt_ms_per_token=0.01, default_max_tokens=8,
+                                      cache_ram_tokens=cache_ram_tokens), host=LOOPBACK)
+            await sim.start()
+            sims.append(sim)
+        yield sims
+    finally:
+        for sim in sims:
+            await sim.close()
+
+
+async def crossbar_usage(session: aiohttp.ClientSession, port: int, route: str,
+                         expect: int) -> dict[str, Any]:
+    """crossbar's own accounting for the route, once all `expect` rows are written (or 15 s)."""
+    row: dict[str, Any] = {}
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        url = f"http://{LOOPBACK}:{port}/_crossbar/usage?by=route&since=1h"
+        async with session.get(url) as resp:
+            rows = await resp.json(content_type=None)
+        row = next((r for r in rows if r.get("key") == route), {})
+        if row.get("requests", 0) >= expect:
+            break
+        await asyncio.sleep(0.2)
+    return row
+
+
+async def affinity_crossbar(plan: Plan, workdir: Path, ram: int, tag: str) -> dict[str, Any]:
+    port = free_port()
+    async with sim_fleet(ram) as sims, aiohttp.ClientSession() as session:
+        hosts = {f"h{i}": sim.port for i, sim in enumerate(sims)}
+        config = write_crossbar_toml(workdir / f"affinity-{tag}.toml", port, workdir / f"affinity-{tag}.db",
+                                     hosts, "agents", poll_interval="1s", parallel=2)
+        name = f"crossbar-affinity-{tag}"
+        async with running(name, crossbar_cmd(config), workdir, port, "/_crossbar/hosts"):
+            url = f"http://{LOOPBACK}:{port}/agents{CHAT}"
+            turns = await drive(poster(session, lambda: url), plan)
+            result = shares(turns)
+            result["crossbar_usage"] = await crossbar_usage(session, port, "agents", result["requests"])
+        result["requests_per_host"] = [len(sim.stats.records) for sim in sims]
+    return result
+
+
+async def affinity_round_robin(plan: Plan, ram: int) -> dict[str, Any]:
+    async with sim_fleet(ram) as sims, aiohttp.ClientSession() as session:
+        count = iter(range(10**9))
+        urls = [sim.url + CHAT for sim in sims]
+        turns = await drive(poster(session, lambda: urls[next(count) % len(urls)]), plan)
+        result = shares(turns)
+        result["requests_per_host"] = [len(sim.stats.records) for sim in sims]
+    return result
+
+
+SCENARIOS = {"host RAM cache (default)": 1 << 30, "slot cache only (cache_ram_tokens=0)": 0}
+
+
+async def run_affinity(plan: Plan, workdir: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {"conversations": plan.conversations, "turns": plan.turns,
+                              "in_flight": plan.in_flight, "hosts": 3, "slots_per_host": 2, "scenarios": {}}
+    for i, (name, ram) in enumerate(SCENARIOS.items()):
+        xb = await affinity_crossbar(plan, workdir, ram, str(i))
+        rr = await affinity_round_robin(plan, ram)
+        usage = xb["crossbar_usage"]
+        xb["accounting_matches"] = (usage.get("prompt_tokens") == xb["prompt_tokens"]
+                                    and usage.get("cached_tokens") == xb["cached_tokens"]
+                                    and usage.get("requests") == xb["requests"])
+        result["scenarios"][name] = {"crossbar": xb, "round_robin": rr,
+                                     "crossbar_vs_ideal": ratio(xb["cached_share"], xb["ideal_share"]),
+                                     "round_robin_vs_ideal": ratio(rr["cached_share"], rr["ideal_share"])}
+    result["table"] = affinity_table(result["scenarios"], plan)
+    section("Affinity (share of prompt tokens served from cache)", result["table"])
+    return result
+
+
+def affinity_table(scenarios: dict[str, Any], plan: Plan) -> str:
+    rows, checks = [], []
+    for name, s in scenarios.items():
+        xb, rr = s["crossbar"], s["round_robin"]
+        methods = (("crossbar", xb, s["crossbar_vs_ideal"]), ("round-robin", rr, s["round_robin_vs_ideal"]))
+        for method, r, vs in methods:
+            rows.append([name, method, fmt(r["requests"]) + (f" ({r['errors']} err)" if r["errors"] else ""),
+                         fmt(r["prompt_tokens"]), fmt(r["cached_tokens"]), fmt(r["cached_share"], 3),
+                         fmt(vs, 3), "/".join(str(n) for n in r["requests_per_host"])])
+        rows.append([name, "ideal", fmt(xb["requests"]), fmt(xb["prompt_tokens"]),
+                     fmt(xb["ideal_cached_tokens"]), fmt(xb["ideal_share"], 3), "1.000", "-"])
+        u = xb["crossbar_usage"]
+        checks.append(f"- {name}: crossbar's `/_crossbar/usage` says {fmt(u.get('requests'))} requests, "
+                      f"{fmt(u.get('prompt_tokens'))} prompt / {fmt(u.get('cached_tokens'))} cached tokens; "
+                      f"client sums {fmt(xb['prompt_tokens'])} / {fmt(xb['cached_tokens'])}: "
+                      + ("match" if xb["accounting_matches"] else "MISMATCH"))
+    head = markdown(["scenario", "method", "requests", "prompt tokens", "cached tokens", "cached share",
+                     "/ ideal", "requests per host"], rows)
+    return (f"{plan.conversations} conversations x {plan.turns} growing turns, {plan.in_flight} requests in "
+            "flight, 3 hosts x 2 slots. Ideal: every turn cached but its new tokens "
+            f"(target: crossbar >= {AFFINITY_TARGET} x ideal with the host RAM cache).\n\n"
+            + head + "\n\nAccounting cross-check:\n\n" + "\n".join(checks))
+
+
+# ---------------------------------------------------------------------------- summary and main
+
+
+def checks(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    out: list[tuple[str, str, str, bool | None]] = []
+    for size, r in results.get("overhead", {}).get("sizes", {}).items():
+        rt = r["ratios"]
+        for key, label, target in (("added_ttfb_p50", "added TTFB p50", TTFB_TARGET),
+                                   ("added_ttfb_p99", "added TTFB p99", TTFB_TARGET),
+                                   ("event_delay_p50", "event delay p50", EVENT_TARGET),
+                                   ("event_delay_p99", "event delay p99", EVENT_TARGET)):
+            out.append((f"overhead {size}: {label}, crossbar / mitmdump", fmt(rt[key], 3), f"<= {target}",
+                        None if math.isnan(rt[key]) else rt[key] <= target))
+    for size, d in results.get("decision", {}).get("sizes", {}).items():
+        for key in ("ratio_p50", "ratio_p99"):
+            out.append((f"decision {size}: decision / mitmdump's own cost ({key[-3:]})", fmt(d[key], 3),
+                        f"<= {DECISION_TARGET}", None if math.isnan(d[key]) else d[key] <= DECISION_TARGET))
+    for name, s in results.get("affinity", {}).get("scenarios", {}).items():
+        value = s["crossbar_vs_ideal"]
+        target = SCENARIOS[name] > 0
+        out.append((f"affinity, {name}: crossbar / ideal", fmt(value, 3),
+                    f">= {AFFINITY_TARGET}" if target else "(context)",
+                    (value >= AFFINITY_TARGET) if target else None))
+        out.append((f"affinity, {name}: crossbar accounting = client sums",
+                    str(s["crossbar"]["accounting_matches"]), "true", s["crossbar"]["accounting_matches"]))
+    return out
+
+
+def summary(results: dict[str, Any]) -> str:
+    rows = [[name, value, target, verdict(ok)] for name, value, target, ok in checks(results)]
+    return markdown(["check", "value", "target", "result"], rows)
+
+
+def environment(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
+    def git(*cmd: str) -> str:
+        try:
+            done = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=10)
+            return done.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "cpu_count": os.cpu_count(),
+            "platform": platform.platform(), "python": sys.version.split()[0],
+            "mitmproxy": mitmproxy_version.VERSION, "aiohttp": aiohttp.__version__,
+            "git_commit": git("rev-parse", "--short", "HEAD"),
+            "git_dirty": bool(git("status", "--porcelain")),
+            "quick": args.quick, "only": args.only, "plan": plan.__dict__}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a ~20 s smoke run per section")
+    p.add_argument("--only", choices=("overhead", "decision", "affinity"), action="append",
+                   help="run only this section (repeatable)")
+    p.add_argument("--out", type=Path, help="JSON result file (default bench/results/bench-<time>.json)")
+    return p.parse_args(argv)
+
+
+def json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    plan = QUICK if args.quick else Plan()
+    wanted = args.only or ["overhead", "decision", "affinity"]
+    results: dict[str, Any] = {"environment": environment(plan, args)}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="crossbar-bench-") as tmp:
+        workdir = Path(tmp)
+        if "overhead" in wanted:
+            results["overhead"] = await run_overhead(plan, workdir)
+        if "decision" in wanted:
+            results["decision"] = await run_decision(plan, workdir, results.get("overhead"))
+        if "affinity" in wanted:
+            results["affinity"] = await run_affinity(plan, workdir)
+    results["elapsed_s"] = round(time.monotonic() - started, 1)
+    results["summary"] = summary(results)
+    section(f"Summary (run took {results['elapsed_s']} s)", results["summary"])
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        results = asyncio.run(run(args))
+    except KeyboardInterrupt:
+        print("interrupted; every started process was stopped", file=sys.stderr)
+        return 130
+    out = args.out or RESULTS / f"bench-{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(json_safe(results), indent=2) + "\n")
+    print(f"\nresults written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Pure parts of the context guard, wake-on-LAN and identity."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import MappingProxyType
+
+import pytest
+from samples_util import SAMPLES, load
+
+from crossbar.config import Address, HostConf, ModelConf, WakeConf
+from crossbar.guard import TokenEstimator, fits, overflow
+from crossbar.identity import admitted, names_from_whois
+from crossbar.wake import Waker, magic_packet
+
+# ---------------------------------------------------------------- guard
+
+
+@pytest.mark.parametrize(("tokens", "n_ctx", "ok"), [
+    (100, 0, True),  # unknown context never blocks
+    (2047, 2048, True),
+    (2048, 2048, False),  # llama-server refuses n_prompt >= n_ctx
+    (5000, 2048, False),
+])
+def test_fits(tokens: int, n_ctx: int, ok: bool) -> None:
+    assert fits(tokens, n_ctx) is ok
+
+
+def test_estimate_defaults_to_bytes_over_4_times_1_2() -> None:
+    est = TokenEstimator()
+    assert est.estimate("m", 0) == 0
+    assert est.estimate("m", 1000) == 300
+    assert est.estimate("m", 4) == 2
+
+
+def test_estimator_learns_the_models_tokens_per_byte() -> None:
+    est = TokenEstimator()
+    est.learn("m", 3000, 3019)  # the lab's tiny model: about one token per byte
+    assert est.estimate("m", 3000) == pytest.approx(3019 * 1.2, rel=0.01)
+    assert est.estimate("other", 3000) == 900  # other models keep the default
+    est.learn("m", 100, 50_000)  # too short to say anything about the tokenizer
+    est.learn("m", 5000, None)
+    assert est.estimate("m", 3000) == pytest.approx(3019 * 1.2, rel=0.01)
+
+
+@pytest.mark.skipif(not SAMPLES.is_dir(), reason="llama-lab samples not available")
+def test_learned_estimate_is_better_than_bytes_over_4_on_the_real_servers_counts() -> None:
+    """samples/single: a 3000-byte prompt is 3019 tokens, a 1200-byte one 1219 tokens. The fixed
+    bytes/4 × 1.2 misses by a factor ~3; after learning from one reply the other is within 20 %."""
+    overflow_tokens = load("single/overflow_nonstream.txt").json()["error"]["n_prompt_tokens"]
+    cached_tokens = load("single/cache_run1.txt").json()["usage"]["prompt_tokens"]
+    fixed = TokenEstimator()
+    assert fixed.estimate("tiny", 1200) < cached_tokens / 3
+    learned = TokenEstimator()
+    learned.learn("tiny", 3000, overflow_tokens)
+    guess = learned.estimate("tiny", 1200)
+    assert cached_tokens <= guess <= cached_tokens * 1.25
+
+
+def test_overflow_uses_llama_servers_shape() -> None:
+    err = overflow(3019, 2048)
+    body = json.loads(err.body())
+    assert err.status == 400
+    assert body["error"]["type"] == "exceed_context_size_error"
+    assert body["error"]["code"] == 400
+    assert (body["error"]["n_prompt_tokens"], body["error"]["n_ctx"]) == (3019, 2048)
+    assert body["error"]["message"].startswith("prompt too large")
+
+
+# ---------------------------------------------------------------- wake
+
+
+def test_magic_packet() -> None:
+    pkt = magic_packet("aa:bb:cc:dd:ee:ff")
+    assert len(pkt) == 102
+    assert pkt[:6] == b"\xff" * 6
+    assert pkt[6:] == bytes.fromhex("aabbccddeeff") * 16
+    with pytest.raises(ValueError):
+        magic_packet("aa:bb")
+
+
+def wake_host(name: str, wait: float = 1.0) -> HostConf:
+    return HostConf(name=name, base_url="http://127.0.0.1:9", scheme="http", host="127.0.0.1", port=9,
+                    base_path="", models=MappingProxyType({"m": ModelConf()}),
+                    wake=WakeConf(mac="aa:bb:cc:dd:ee:ff", broadcast=Address("127.0.0.1", 9), wait=wait))
+
+
+async def test_waker_sends_in_route_order_and_returns_when_one_wakes() -> None:
+    hosts = {"a": wake_host("a"), "b": wake_host("b"), "c": HostConf(
+        name="c", base_url="http://127.0.0.1:9", scheme="http", host="127.0.0.1", port=9, base_path="")}
+    up: set[str] = set()
+    sent: list[str] = []
+    polls: list[str] = []
+
+    async def poll(name: str) -> None:
+        polls.append(name)
+        if name == "b" and len(polls) >= 3:
+            up.add("b")
+
+    def send(wake: WakeConf) -> None:
+        sent.append(next(n for n, h in hosts.items() if h.wake is wake))
+
+    waker = Waker(hosts, lambda n: n in up, poll, send=send)
+    woke = await asyncio.wait_for(waker.wake(["b", "c", "a"]), 5)
+    assert woke == ["b", "a"]  # c has no wake target
+    assert sent == ["b", "a"]
+    assert "b" in up
+
+
+async def test_waker_gives_up_after_wait_and_shares_one_wake_between_callers() -> None:
+    hosts = {"a": wake_host("a", wait=0.3)}
+    sent: list[WakeConf] = []
+
+    async def poll(name: str) -> None:
+        return None
+
+    waker = Waker(hosts, lambda n: False, poll, send=sent.append)
+    results = await asyncio.wait_for(asyncio.gather(waker.wake(["a"]), waker.wake(["a"])), 5)
+    assert results == [["a"], ["a"]]
+    assert len(sent) == 1  # both requests waited on the same wake
+
+
+async def test_waker_does_nothing_for_healthy_or_wakeless_hosts() -> None:
+    hosts = {"a": wake_host("a")}
+
+    async def poll(name: str) -> None:
+        raise AssertionError("no poll expected")
+
+    assert await Waker(hosts, lambda n: True, poll).wake(["a", "zzz"]) == []
+
+
+# ---------------------------------------------------------------- identity
+
+WHOIS = {
+    "Node": {"ID": 1, "Name": "talos.tail1a2b.ts.net.", "ComputedName": "talos",
+             "Hostinfo": {"Hostname": "Talos-Box", "OS": "linux"}},
+    "UserProfile": {"ID": 7, "LoginName": "kyle@github", "DisplayName": "Kyle"},
+}
+
+
+def test_names_from_whois() -> None:
+    assert names_from_whois(WHOIS) == {"talos", "talos.tail1a2b.ts.net", "talos-box", "kyle@github"}
+    assert names_from_whois([]) == frozenset()
+    assert names_from_whois({"Node": "x"}) == frozenset()
+
+
+@pytest.mark.parametrize(("peers", "names", "ok"), [
+    ((), frozenset(), True),  # a route without peers is open
+    (("talos",), frozenset({"talos"}), True),
+    (("Talos",), frozenset({"talos"}), True),
+    (("talos",), frozenset({"dixie"}), False),
+    (("talos",), frozenset(), False),
+])
+def test_admitted(peers: tuple[str, ...], names: frozenset[str], ok: bool) -> None:
+    assert admitted(peers, names) is ok

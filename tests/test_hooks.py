@@ -1,0 +1,170 @@
+"""The addon's hooks one by one, with mitmproxy's own test helpers (no proxy, no upstream, no poller)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness import HostSpec, write_config
+from mitmproxy import http
+from mitmproxy.test import taddons, tflow, tutils
+
+from crossbar.addon import META, Crossbar
+from crossbar.admin import Admin
+from crossbar.app import Router
+from crossbar.tap import SSETap
+
+CHAT_BODY = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+
+
+@dataclass
+class Rig:
+    addon: Crossbar
+    router: Router
+    tctx: Any
+
+    async def rows(self) -> list[Any]:
+        await asyncio.to_thread(self.router.store.flush)
+        return await asyncio.to_thread(self.router.store.requests_since, 0)
+
+
+@asynccontextmanager
+async def rig(tmp_path: Path, base_url: str = "http://llama-1.test:8080") -> AsyncIterator[Rig]:
+    """The addon configured from a TOML in a taddons context, with a hand-built Router."""
+    cfg = write_config(tmp_path / "crossbar.toml", {"a": (base_url, HostSpec({"m": {}}))},
+                       {"r": {"hosts": ["a"], "default_model": "m"}})
+    addon = Crossbar()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, crossbar_config=str(cfg))
+        assert addon.cfg is not None
+        router = Router(addon.cfg)
+        router.open()
+        addon.router, addon.admin = router, Admin(router)
+        try:
+            yield Rig(addon, router, tctx)
+        finally:
+            await router.close()
+
+
+def make_flow(path: str, body: Any = None, method: str = "POST") -> http.HTTPFlow:
+    content = b"" if body is None else json.dumps(body).encode()
+    req = tutils.treq(method=method.encode(), host="placeholder", port=9, path=path.encode(),
+                      headers=http.Headers(host="placeholder:9", content_type="application/json"),
+                      content=content)
+    return tflow.tflow(req=req)
+
+
+def sse_response() -> http.Response:
+    return tutils.tresp(headers=http.Headers(content_type="text/event-stream"), content=b"")
+
+
+async def test_request_rewrites_the_upstream_and_strips_the_route(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        f = make_flow("/r/v1/chat/completions?a=1&b=two", CHAT_BODY)
+        await r.addon.request(f)
+        assert f.response is None  # forwarded, not answered
+        assert (f.request.scheme, f.request.host, f.request.port) == ("http", "llama-1.test", 8080)
+        assert f.request.path == "/v1/chat/completions?a=1&b=two"
+        assert f.request.content == json.dumps(CHAT_BODY).encode()  # body untouched
+        assert r.router.limiter.in_flight("a", "m") == 1
+        ex = f.metadata[META]
+        assert (ex.host, ex.key.route, ex.key.model, ex.decision) == ("a", "r", "m", "new")
+        await r.addon.response(f)
+        assert r.router.limiter.in_flight("a", "m") == 0
+
+
+async def test_request_keeps_the_hosts_base_path(tmp_path: Path) -> None:
+    async with rig(tmp_path, "https://llama-2.test:8443/llm") as r:
+        f = make_flow("/r/v1/chat/completions", CHAT_BODY)
+        await r.addon.request(f)
+        assert (f.request.scheme, f.request.host, f.request.port) == ("https", "llama-2.test", 8443)
+        assert f.request.path == "/llm/v1/chat/completions"
+        await r.addon.response(f)
+
+
+async def test_unknown_route_is_a_json_short_circuit(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        f = make_flow("/nope/v1/chat/completions", CHAT_BODY)
+        await r.addon.request(f)
+        assert f.response is not None and f.response.status_code == 404
+        assert f.response.headers["content-type"] == "application/json"
+        err = json.loads(f.response.content or b"")["error"]
+        assert err["code"] == 404 and err["type"] and "nope" in err["message"]
+        assert f.request.host == "placeholder"  # never rewritten towards a host
+        assert r.router.limiter.in_flight("a", "m") == 0
+
+
+async def test_responseheaders_tees_sse_but_not_json(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        sse = make_flow("/r/v1/chat/completions", {**CHAT_BODY, "stream": True})
+        await r.addon.request(sse)
+        sse.response = sse_response()
+        r.addon.responseheaders(sse)
+        assert isinstance(sse.response.stream, SSETap)
+
+        plain = make_flow("/r/v1/chat/completions", CHAT_BODY)
+        await r.addon.request(plain)
+        plain.response = tutils.tresp(headers=http.Headers(content_type="application/json"))
+        r.addon.responseheaders(plain)
+        assert not plain.response.stream
+        for f in (sse, plain):
+            await r.addon.response(f)
+
+
+async def test_a_full_cycle_writes_one_row_with_the_usage(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        f = make_flow("/r/v1/chat/completions", CHAT_BODY)
+        reply = {"usage": {"prompt_tokens": 12, "completion_tokens": 3},
+                 "timings": {"cache_n": 10, "prompt_n": 2, "predicted_n": 3}}
+        f.response = tutils.tresp(headers=http.Headers(content_type="application/json"),
+                                  content=json.dumps(reply).encode())
+        await r.tctx.cycle(r.addon, f)  # requestheaders, request, responseheaders, response
+        (row,) = await r.rows()
+        assert (row.host, row.status, row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (
+            "a", 200, 12, 10, 3)
+
+
+async def test_response_then_error_write_exactly_one_row(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        f = make_flow("/r/v1/chat/completions", CHAT_BODY)
+        await r.addon.request(f)
+        f.response = sse_response()
+        r.addon.responseheaders(f)
+        await r.addon.response(f)
+        f.error = tflow.terr("Client disconnected.")
+        r.addon.error(f)
+        await r.addon.response(f)
+        rows = await r.rows()
+        assert len(rows) == 1 and rows[0].status == 200
+        assert r.router.limiter.in_flight("a", "m") == 0
+        assert not r.router.live
+
+
+async def test_error_alone_writes_one_row_and_frees_the_slot(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        f = make_flow("/r/v1/chat/completions", {**CHAT_BODY, "stream": True})
+        await r.addon.request(f)
+        f.error = tflow.terr("HTTP/1 protocol error: peer closed connection")
+        r.addon.error(f)
+        r.addon.error(f)
+        (row,) = await r.rows()
+        assert row.err and "peer closed" in row.err and row.streamed is True
+        assert r.router.limiter.in_flight("a", "m") == 0
+
+
+async def test_admin_is_answered_without_an_upstream(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        f = make_flow("/_crossbar/hosts", method="GET")
+        await r.addon.request(f)
+        assert f.response is not None and f.response.status_code == 200
+        assert f.request.host == "placeholder"
+        hosts = json.loads(f.response.content or b"")
+        assert set(hosts) == {"a"} and hosts["a"]["healthy"] is True
+        assert META not in f.metadata
+        await r.addon.response(f)  # later hooks leave an admin answer alone
+        assert await r.rows() == []
