@@ -1,0 +1,189 @@
+"""`GET /_crossbar/metrics`: Prometheus text that parses, follows the naming conventions, and
+moves with real traffic through a real crossbar in front of simulated llama-servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from accounting_util import parse_exposition, scrape, send_turn, summed, total
+from harness import (
+    Fleet,
+    HostSpec,
+    Proxy,
+    conversation,
+    crossbar_proxy,
+    lease_event_rows,
+    sim_fleet,
+    wait_until,
+    write_config,
+)
+
+from crossbar.metrics import LEASE_REASONS, LiveCollector, Metrics
+from crossbar.sim import SimConfig
+
+FAMILIES = {
+    "crossbar_requests": "counter",
+    "crossbar_tokens": "counter",
+    "crossbar_queue_wait_seconds": "histogram",
+    "crossbar_ttfb_seconds": "histogram",
+    "crossbar_lease_moves": "counter",
+    "crossbar_generation_tokens_per_second": "histogram",
+    "crossbar_rejected": "counter",
+    "crossbar_host_healthy": "gauge",
+    "crossbar_slots_free": "gauge",
+    "crossbar_slots_capacity": "gauge",
+    "crossbar_in_flight": "gauge",
+    "crossbar_queued": "gauge",
+    "crossbar_leases": "gauge",
+    "crossbar_store_errors": "counter",
+}
+
+
+@asynccontextmanager
+async def setup(tmp_path: Path, specs: Mapping[str, HostSpec], **top: Any) -> AsyncIterator[
+        tuple[Fleet, Proxy]]:
+    """Sims for `specs` and crossbar with route "r" over all of them."""
+    async with sim_fleet(specs) as fleet:
+        cfg = write_config(tmp_path / "crossbar.toml", {n: (fleet[n].url, s) for n, s in specs.items()},
+                           {"r": {"hosts": list(specs), "default_model": "m"}}, **top)
+        async with crossbar_proxy(cfg) as proxy:
+            yield fleet, proxy
+
+
+def host(parallel: int = 0, **sim: Any) -> HostSpec:
+    slots = {"n_slots": parallel} if parallel else {}
+    return HostSpec({"m": {"parallel": parallel} if parallel else {}}, sim=SimConfig(models=["m"], **sim, **slots))
+
+
+async def admin_post(proxy: Proxy, path: str, body: Any) -> None:
+    async with aiohttp.ClientSession() as s, s.post(f"{proxy.url}/_crossbar/{path}", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+# ---------------------------------------------------------------- shape
+
+
+async def test_exposition_parses_and_follows_the_conventions(tmp_path: Path) -> None:
+    async with setup(tmp_path, {"a": host(), "b": host()}) as (_, proxy):
+        types, samples = await scrape(proxy.url)
+    for name, kind in FAMILIES.items():
+        assert types.get(name) == kind, (name, types.get(name))
+    for name, kind in types.items():
+        assert name.startswith("crossbar_")
+        assert not any(unit in name for unit in ("_ms", "millis", "_minutes")), name  # base units
+    counters = {n for n, kind in types.items() if kind == "counter"}
+    for sample_name, _ in samples:
+        family = next((c for c in counters if sample_name.startswith(c)), None)
+        if family:
+            assert sample_name in (family + "_total", family + "_created"), sample_name
+    assert summed(samples, "crossbar_host_healthy") == 2
+    assert samples[("crossbar_slots_capacity", frozenset({("host", "a"), ("model", "m")}))] == 2
+    assert samples[("crossbar_store_errors_total", frozenset())] == 0
+    for reason in LEASE_REASONS:  # every reason is there from the start, at 0
+        assert samples[("crossbar_lease_moves_total", frozenset({("reason", reason)}))] == 0
+
+
+def test_store_errors_and_live_gauges_are_read_at_scrape_time() -> None:
+    metrics = Metrics()
+    state = {"errors": 0, "healthy": True}
+    metrics.add_live(LiveCollector(lambda: [("a", state["healthy"])], lambda: [("a", "m", 1, 2, 3, 3)],
+                                   lambda: state["errors"], lambda: 5))
+    state["errors"], state["healthy"] = 7, False
+    _, samples = parse_exposition(metrics.exposition().decode())
+    assert samples[("crossbar_store_errors_total", frozenset())] == 7
+    assert samples[("crossbar_host_healthy", frozenset({("host", "a")}))] == 0
+    am = frozenset({("host", "a"), ("model", "m")})
+    assert [samples[(n, am)] for n in ("crossbar_slots_free", "crossbar_in_flight", "crossbar_queued",
+                                       "crossbar_slots_capacity")] == [1, 2, 3, 3]
+    assert samples[("crossbar_leases", frozenset())] == 5
+
+
+# ---------------------------------------------------------------- values move with traffic
+
+
+async def test_counters_and_histograms_follow_the_traffic(tmp_path: Path) -> None:
+    sessions, turns = 4, 3
+    async with setup(tmp_path, {"a": host(), "b": host()}) as (_, proxy):
+        _, before = await scrape(proxy.url)
+        async with aiohttp.ClientSession() as s:
+            told = []
+            for i in range(sessions):
+                for t, messages in enumerate(conversation(f"m{i}", turns)):
+                    told.append(await send_turn(s, proxy.url, "r", messages, stream=bool((i + t) % 2),
+                                                include_usage=t == 2))
+        _, after = await scrape(proxy.url)
+    n = sessions * turns
+    assert summed(before, "crossbar_requests_total") == 0
+    assert summed(after, "crossbar_requests_total", route="r", status="200") == n
+    sent = total(told)
+    assert summed(after, "crossbar_tokens_total", route="r", type="prompt") == sent.prompt
+    assert summed(after, "crossbar_tokens_total", route="r", type="cached") == sent.cached
+    assert summed(after, "crossbar_tokens_total", route="r", type="completion") == sent.completion
+    assert sent.cached > 0  # later turns hit the cache of their host
+    for histogram in ("crossbar_ttfb_seconds", "crossbar_queue_wait_seconds",
+                      "crossbar_generation_tokens_per_second"):
+        assert summed(after, histogram + "_count") == n, histogram
+        assert summed(after, histogram + "_bucket", le="+Inf") == n, histogram
+    assert summed(after, "crossbar_lease_moves_total", reason="new") == sessions
+    assert summed(after, "crossbar_leases") == sessions
+    assert summed(after, "crossbar_in_flight") == 0 and summed(after, "crossbar_queued") == 0
+
+
+async def test_in_flight_queued_and_free_slots_are_live(tmp_path: Path) -> None:
+    """One slot, three slow requests at once: one runs, two wait, none free; then all drain."""
+    async with setup(tmp_path, {"a": host(parallel=1, token_ms=60.0)}) as (_, proxy):
+        am = frozenset({("host", "a"), ("model", "m")})
+
+        async def busy() -> bool:
+            _, s = await scrape(proxy.url)
+            return (s[("crossbar_in_flight", am)], s[("crossbar_queued", am)],
+                    s[("crossbar_slots_free", am)]) == (1, 2, 0)
+
+        async with aiohttp.ClientSession() as s:
+            turns = [send_turn(s, proxy.url, "r", conversation(f"q{i}", 1)[0]) for i in range(3)]
+            running = asyncio.gather(*turns)
+            await wait_until(busy, 10, 0.02, "one request in flight and two queued")
+            await running
+        _, done = await scrape(proxy.url)
+    assert (done[("crossbar_in_flight", am)], done[("crossbar_queued", am)]) == (0, 0)
+    assert done[("crossbar_slots_free", am)] == 1
+    assert summed(done, "crossbar_queue_wait_seconds_count") == 3
+    assert summed(done, "crossbar_queue_wait_seconds_sum") > 0.5  # two waited a whole request
+
+
+async def test_lease_moves_count_every_lease_event_by_reason(tmp_path: Path) -> None:
+    """new, drain, pin, release, unhealthy and idle: the counter equals the lease_events rows."""
+    async with setup(tmp_path, {"a": host(), "b": host()}, lease_idle="4s") as (fleet, proxy):
+        async with aiohttp.ClientSession() as s:
+
+            async def turn(session: str, n: int = 0) -> None:
+                await send_turn(s, proxy.url, "r", conversation(session, n + 1)[n])
+
+            await turn("one")
+            first = proxy.router.leases.leases_of("r")[0].host
+            await admin_post(proxy, f"hosts/{first}", {"drain": True})  # drain: the lease stays
+            await admin_post(proxy, f"hosts/{first}", {"drain": False})
+            other = "b" if first == "a" else "a"
+            await admin_post(proxy, "routes/r", {"host": other, "pin": True})  # pin: the lease moves
+            await turn("one", 1)
+            await admin_post(proxy, "routes/r", {"release": True})  # release: leases and pin dropped
+
+            await turn("two")
+            doomed = proxy.router.leases.leases_of("r")[0].host
+            fleet[doomed].set(refuse=True)
+            await turn("two", 1)  # refused: the lease moves to the healthy host (unhealthy)
+            _, mid = await scrape(proxy.url)
+            assert mid[("crossbar_host_healthy", frozenset({("host", doomed)}))] == 0
+            await wait_until(lambda: proxy.router.leases.count() == 0, 20, 0.1, "leases to expire (idle)")
+        events = Counter(e.reason for e in await lease_event_rows(proxy))
+        _, samples = await scrape(proxy.url)
+    counted = {reason: summed(samples, "crossbar_lease_moves_total", reason=reason) for reason in events}
+    assert counted == dict(events)
+    assert {"new", "drain", "pin", "release", "unhealthy", "idle"} <= set(events)
+    assert summed(samples, "crossbar_lease_moves_total") == sum(events.values())
