@@ -57,7 +57,8 @@ class Admin:
     async def handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply:
         path, _, query = target.partition("?")
         try:
-            return await self._dispatch(method, path[len(PREFIX):] or "/", parse_qs(query), headers, body)
+            args = parse_qs(query, keep_blank_values=True)  # `since=` is a mistake, not the default
+            return await self._dispatch(method, path[len(PREFIX):] or "/", args, headers, body)
         except CrossbarError as exc:
             return Reply(exc.status, exc.body(), {"Content-Type": JSON_TYPE, **exc.headers})
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from crossbar import errors
 from crossbar.choose import Candidate, choose
@@ -133,25 +133,25 @@ class Router:
             self.metrics.rejected.labels("pinned_down").inc()
             raise errors.unavailable(str(exc), retry_after=self._poll_wait()) from exc
 
-    async def host_for_read(self, ex: Exchange) -> None:
+    async def host_for_read(self, ex: Exchange, exclude: Collection[str] = ()) -> None:
         """A GET pass-through (/v1/models, /health, /props) or a control call is answered by the
         host the route's conversations for that model live on, else by the best candidate. It
         creates no lease."""
+        usable = [h for h in ex.route.hosts if self.fleet.healthy(h) and h not in exclude]
         pin = self.leases.pinned(ex.key.route)
         if pin:
-            if not self.fleet.healthy(pin):
+            if pin not in usable:
                 raise errors.unavailable(f"route {ex.key.route!r} is pinned to {pin!r}, which is not healthy",
                                          retry_after=self._poll_wait())
             ex.host, ex.decision = pin, "pinned"
             return
         for lease in self.leases.leases_of(ex.key.route):
-            if (not ex.model or lease.key.model == ex.model) and self.fleet.healthy(lease.host):
+            if (not ex.model or lease.key.model == ex.model) and lease.host in usable:
                 ex.host, ex.decision = lease.host, "reused"
                 return
-        usable = [h for h in ex.route.hosts if self.fleet.healthy(h)]
         if not usable:
             woke = await self.waker.wake(ex.route.hosts)
-            usable = [h for h in ex.route.hosts if self.fleet.healthy(h)]
+            usable = [h for h in ex.route.hosts if self.fleet.healthy(h) and h not in exclude]
             if not usable:
                 raise errors.no_healthy_host(woke, self._poll_wait())
         ex.host = (self._choose(usable, ex.model) if ex.model else None) or usable[0]
@@ -226,7 +226,10 @@ class Router:
         ex.excluded.add(failed)
         self.free_slot(ex)
         try:
-            await self.lease(ex, exclude=ex.excluded)
+            if ex.completion:
+                await self.lease(ex, exclude=ex.excluded)
+            else:
+                await self.host_for_read(ex, exclude=ex.excluded)
         except errors.CrossbarError:
             ex.host = failed
             return False

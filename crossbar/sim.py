@@ -95,6 +95,8 @@ KNOBS = ("refuse", "fail_status", "fail_times", "die_after_events", "hang", "hea
 # configuration and statistics
 # ---------------------------------------------------------------------------------------------
 
+SLOT_PROMPT_SIMILARITY = 0.1  # llama.cpp common.h default (b11312)
+
 @dataclass
 class SimConfig:
     models: list[str]
@@ -462,9 +464,11 @@ class Engine:
                 fut.set_result(None)
 
     def _pick(self, prompt: bytes) -> Slot:
+        """llama-server's rule: the free slot whose cached prompt shares the largest fraction of
+        this prompt, if above --slot-prompt-similarity (0.1); else the least recently used."""
         free = self._free()
         best = max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
-        if common_prefix(best.tokens, prompt) == 0:
+        if common_prefix(best.tokens, prompt) <= SLOT_PROMPT_SIMILARITY * len(prompt):
             best = min(free, key=lambda s: s.last_used)
         best.busy = True
         return best

@@ -58,6 +58,10 @@ from sqlmodel import Field, Session, SQLModel
 log = logging.getLogger("crossbar.store")
 
 BATCH = 500
+# The writer gathers work this long before a transaction: one commit per many requests keeps its
+# CPU time (and its hold on the GIL, shared with the proxy's event loop) small. flush() and
+# close() cut the wait short.
+LINGER = 0.25
 BUSY_TIMEOUT_MS = 2000
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0
@@ -413,6 +417,8 @@ class Store:
         self._has_work = threading.Condition(self._lock)  # the writer waits on this
         self._committed = threading.Condition(self._lock)  # flush() waits on this
         self._wake = threading.Event()
+        self._urgent = 0  # callers blocked in flush(): write now
+        self.linger = LINGER
         self._ordered: deque[_Op] = deque()  # leases, events, rollups: never dropped
         self._rows: deque[_Op] = deque()  # requests, health: oldest dropped beyond max_pending
         self._seq = 0
@@ -468,8 +474,13 @@ class Store:
             return self.pending == 0
         with self._lock:
             target = self._seq
+            self._urgent += 1
+            self._has_work.notify()
             self._wake.set()  # cut a backoff sleep short: try now
-            return self._committed.wait_for(lambda: self._done_upto() >= target, timeout)
+            try:
+                return self._committed.wait_for(lambda: self._done_upto() >= target, timeout)
+            finally:
+                self._urgent -= 1
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush, stop the writer and dispose the engines; idempotent."""
@@ -554,10 +565,12 @@ class Store:
                 return
             self._seq += 1
             droppable = kind in ("request", "health")
+            queued = len(self._ordered) + len(self._rows)
             (self._rows if droppable else self._ordered).append(_Op(self._seq, kind, data))
             if self.pending > self.max_pending:
                 self._drop_oldest()
-            self._has_work.notify()
+            if queued == 0 or queued + 1 >= BATCH:  # the writer only needs waking for these
+                self._has_work.notify()
 
     def _drop_oldest(self) -> None:
         """Under the lock: shed the oldest request/health rows down to max_pending."""
@@ -594,6 +607,7 @@ class Store:
         """Block for work; pop up to BATCH operations in enqueue order (None when stopping)."""
         with self._lock:
             self._has_work.wait_for(lambda: self._stop or self._ordered or self._rows)
+            self._linger()
             if self._stop:
                 return None
             batch: list[_Op] = []
@@ -604,6 +618,15 @@ class Store:
             if not self._rows:
                 self._dropping = False
             return batch
+
+    def _linger(self) -> None:
+        """Under the lock: let a batch gather for up to LINGER unless someone waits for it."""
+        deadline = time.monotonic() + self.linger
+        while not (self._stop or self._urgent or len(self._ordered) + len(self._rows) >= BATCH):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._has_work.wait(remaining)
 
     def _pop_next(self) -> _Op:
         if not self._rows:

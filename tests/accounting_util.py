@@ -10,9 +10,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from harness import HostSpec
 from prometheus_client.parser import text_string_to_metric_families
 
+from crossbar.sim import SimConfig
+
 CHAT = "/v1/chat/completions"
+
+
+def host(parallel: int = 0, **sim: Any) -> HostSpec:
+    """A simulated host serving model "m" (with `parallel` slots when given)."""
+    slots = {"n_slots": parallel} if parallel else {}
+    models = {"m": {"parallel": parallel} if parallel else {}}
+    return HostSpec(models, sim=SimConfig(models=["m"], **sim, **slots))
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ ALL_FIXTURES = sorted(p.name for p in FIXTURES.glob("*.json"))
 async def one_sim(tmp_path: Path, sim: SimConfig | None = None, parallel: int = 0,
                   **top: Any) -> AsyncIterator[tuple[SimServer, Proxy]]:
     async with sim_fleet({"a": HostSpec({MODEL: {}}, sim=sim or SimConfig(models=[MODEL]))}) as fleet:
-        cfg = single_host_config(tmp_path / "c.toml", fleet["a"].url, models=(MODEL,), parallel=parallel, **top)
+        cfg = single_host_config(tmp_path / "c.toml", fleet["a"].url, models=(MODEL,), parallel=parallel,
+                                 **top)
         async with crossbar_proxy(cfg) as proxy:
             yield fleet["a"], proxy
 
@@ -63,7 +64,7 @@ def sdk(proxy: Proxy, route: str = "r", **kw: Any) -> openai.AsyncOpenAI:
 
 
 async def test_sdk_non_streaming(tmp_path: Path) -> None:
-    async with one_sim(tmp_path) as (sim, proxy):
+    async with one_sim(tmp_path) as (_sim, proxy):
         client = sdk(proxy, max_retries=0)
         try:
             reply = await client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5)
@@ -78,7 +79,7 @@ async def test_sdk_non_streaming(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("include_usage", [False, True])
 async def test_sdk_streaming(tmp_path: Path, include_usage: bool) -> None:
-    async with one_sim(tmp_path) as (sim, proxy):
+    async with one_sim(tmp_path) as (_sim, proxy):
         client = sdk(proxy, max_retries=0)
         extra: dict[str, Any] = {"stream_options": {"include_usage": True}} if include_usage else {}
         try:
@@ -100,7 +101,7 @@ async def test_sdk_streaming(tmp_path: Path, include_usage: bool) -> None:
 
 
 async def test_sdk_with_the_route_in_a_default_header(tmp_path: Path) -> None:
-    async with one_sim(tmp_path) as (sim, proxy):
+    async with one_sim(tmp_path) as (_sim, proxy):
         client = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0,
                                     default_headers={"X-Crossbar-Route": "opencode-x-42"})
         try:
@@ -118,7 +119,7 @@ async def test_sdk_retries_a_503_queue_full_and_honours_retry_after(tmp_path: Pa
     """One slot, no queue: a second request gets 503 + `Retry-After: 1`; the SDK waits and its
     retry succeeds once the first request has finished."""
     async with one_sim(tmp_path, SimConfig(models=[MODEL], token_ms=20), parallel=1, queue_max=0) as (
-            sim, proxy):
+            _sim, proxy):
         client = sdk(proxy)  # the SDK's defaults: 2 retries
         try:
             # teach the limiter the hold time (the estimate starts at 10 s before anything finished)
@@ -144,17 +145,16 @@ async def test_sdk_retries_a_503_queue_full_and_honours_retry_after(tmp_path: Pa
 
 async def test_the_503_carries_an_honest_retry_after(tmp_path: Path) -> None:
     async with one_sim(tmp_path, SimConfig(models=[MODEL], token_ms=20), parallel=1, queue_max=0) as (
-            sim, proxy):
-        async with aiohttp.ClientSession() as s:
-            body = {"messages": MSGS, "max_tokens": 1}
-            async with s.post(f"{proxy.url}/r/v1/chat/completions", json=body) as resp:
-                assert resp.status == 200
-            long = asyncio.create_task(s.post(f"{proxy.url}/r/v1/chat/completions",
-                                              json={"messages": MSGS, "max_tokens": 40}))
-            await wait_until(lambda: proxy.router.limiter.in_flight("a", MODEL) == 1, what="slot taken")
-            async with s.post(f"{proxy.url}/r/v1/chat/completions", json=body) as resp:
-                status, headers, err = resp.status, dict(resp.headers), await resp.json()
-            (await long).release()
+            _sim, proxy), aiohttp.ClientSession() as s:
+        body = {"messages": MSGS, "max_tokens": 1}
+        async with s.post(f"{proxy.url}/r/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+        long = asyncio.create_task(s.post(f"{proxy.url}/r/v1/chat/completions",
+                                          json={"messages": MSGS, "max_tokens": 40}))
+        await wait_until(lambda: proxy.router.limiter.in_flight("a", MODEL) == 1, what="slot taken")
+        async with s.post(f"{proxy.url}/r/v1/chat/completions", json=body) as resp:
+            status, headers, err = resp.status, dict(resp.headers), await resp.json()
+        (await long).release()
     assert status == 503 and headers["Retry-After"] == "1"
     assert err["error"]["code"] == 503 and err["error"]["type"] == "unavailable_error"
 
@@ -173,7 +173,7 @@ async def test_sdk_does_not_retry_a_400(tmp_path: Path) -> None:
 
 
 async def test_sdk_sees_a_cut_stream_as_an_error_not_a_clean_end(tmp_path: Path) -> None:
-    async with one_sim(tmp_path, SimConfig(models=[MODEL], die_after_events=3)) as (sim, proxy):
+    async with one_sim(tmp_path, SimConfig(models=[MODEL], die_after_events=3)) as (_sim, proxy):
         client = sdk(proxy, max_retries=0)
         got: list[Any] = []
         try:
@@ -202,14 +202,14 @@ def client_request(fx: dict[str, Any], proxy_url: str, route: str) -> tuple[str,
 
 async def replay(proxy: Proxy, fx: dict[str, Any], route: str) -> tuple[int, dict[str, str], bytes]:
     url, headers, body = client_request(fx, proxy.url, route)
-    async with aiohttp.ClientSession(auto_decompress=True) as s, s.post(url, data=body, headers=headers) as resp:
+    async with aiohttp.ClientSession() as s, s.post(url, data=body, headers=headers) as resp:
         return resp.status, dict(resp.headers), await resp.read()
 
 
 @pytest.mark.parametrize("name", ALL_FIXTURES)
 async def test_client_fixture_replays_through_crossbar(tmp_path: Path, name: str) -> None:
     fx = fixture(name)
-    async with one_sim(tmp_path) as (sim, proxy):
+    async with one_sim(tmp_path) as (_sim, proxy):
         status, headers, body = await replay(proxy, fx, "opencode-shop-4711")
         rows = await request_rows(proxy)
     assert status == 200, body
@@ -238,7 +238,7 @@ async def test_client_bodies_reach_the_upstream_byte_for_byte(tmp_path: Path) ->
         async with crossbar_proxy(cfg) as proxy:
             sent = []
             for name in ALL_FIXTURES:
-                url, _, body = client_request(fixture(name), proxy.url, "opencode-a")
+                _url, _, body = client_request(fixture(name), proxy.url, "opencode-a")
                 status, _, _ = await replay(proxy, fixture(name), "opencode-a")
                 assert status == 200, name
                 sent.append(body)

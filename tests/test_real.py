@@ -9,6 +9,7 @@ tier takes well under two minutes. Every server started here is killed at teardo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -201,7 +202,7 @@ async def test_ten_turns_stay_on_one_host_and_hit_the_servers_cache(
     assert [r.decision for r in rows] == ["new"] + ["reused"] * 9
     # the random session id in the system prompt: the first turn shares only the template's head
     assert timings[0]["cache_n"] < 20, timings[0]
-    for prev, cur in zip(timings, timings[1:], strict=False):
+    for prev, cur in itertools.pairwise(timings):
         whole_previous_prompt = prev["prompt_n"] + prev["cache_n"]
         assert cur["cache_n"] >= whole_previous_prompt, (prev, cur)  # the whole previous prompt hit
         assert cur["prompt_n"] < cur["cache_n"], cur
