@@ -237,6 +237,7 @@ async def test_dashboard_shows_hosts_then_leases_and_usage_after_traffic(tmp_pat
         # a model name with markup is shown as text, never parsed
         assert XSS_MODEL in [cells[1] for cells in leases.values()]
         assert '<img src="x" id="xss"' not in dom and "&lt;img src=x" in dom
+        assert "<title>crossbar</title>" in dom  # its onerror never ran
 
 
 async def test_dashboard_updates_itself_without_a_reload(tmp_path: Path) -> None:

@@ -452,3 +452,59 @@ async def test_a_client_that_leaves_while_queued_frees_its_place(tmp_path: Path)
         status, body = await asyncio.wait_for(fourth, 20)
         assert status == 200 and sse_data(body)[-1] == b"[DONE]"
         assert fleet["a"].stats.completions_started == 2  # the one that left never reached the host
+
+
+# ---------------------------------------------------------------- no host left
+
+
+async def test_no_healthy_host_is_the_documented_503(tmp_path: Path) -> None:
+    async with setup(tmp_path, {"a": host(), "b": host()}) as (fleet, proxy):
+        for name in ("a", "b"):
+            fleet[name].set(refuse=True)
+            await wait_health(proxy, name, False)
+        status, headers, body = await send(proxy, conversation("nobody", 1)[0])
+        assert status == 503
+        assert headers["Content-Type"].startswith("application/json")
+        assert int(headers["Retry-After"]) >= 1
+        assert json.loads(body) == {"error": "no healthy host", "woke": []}
+
+
+@pytest.mark.xfail(strict=True, reason="bug: when the only candidate refuses connections before the "
+                   "poller notices, the client gets mitmproxy's 502 HTML page instead of a JSON error")
+async def test_the_only_host_refusing_before_the_poller_notices_is_a_json_error(tmp_path: Path) -> None:
+    async with setup(tmp_path, {"a": host()}, poll_interval="60s") as (fleet, proxy):
+        await ok(proxy, conversation("alone", 1)[0])
+        fleet["a"].set(refuse=True)
+        status, headers, body = await send(proxy, conversation("alone", 2)[1])
+        assert status in (502, 503)
+        assert headers["Content-Type"].startswith("application/json"), body
+        json.loads(body)
+
+
+async def test_a_pin_survives_a_restart(tmp_path: Path) -> None:
+    specs = {"a": host(weight=2), "b": host(weight=1)}
+    async with sim_fleet(specs) as fleet:
+        cfg = write_config(tmp_path / "crossbar.toml", {n: (fleet[n].url, s) for n, s in specs.items()},
+                           {"r": {"hosts": ["a", "b"], "default_model": "m"}})
+        async with crossbar_proxy(cfg) as proxy:
+            assert (await admin(proxy, "routes/r", {"host": "b", "pin": True}))[0] == 200
+            await ok(proxy, conversation("pin-restart", 1)[0])
+        async with crossbar_proxy(cfg) as proxy:
+            _, routes = await admin(proxy, "routes")
+            assert routes["r"]["pinned"] == "b"
+            assert [lease["host"] for lease in routes["r"]["leases"]] == ["b"]
+            await ok(proxy, conversation("pin-restart-2", 1)[0])
+            row = await last_row(proxy)
+            assert (row.host, row.decision) == ("b", "pinned")
+
+
+async def test_a_host_that_never_answers_is_cut_after_first_byte_timeout(tmp_path: Path) -> None:
+    async with setup(tmp_path, {"a": host()}, first_byte_timeout="1s", poll_interval="60s",
+                     drain_timeout="1s") as (fleet, proxy):
+        fleet["a"].set(hang=True)
+        status, _, _ = await asyncio.wait_for(send(proxy, conversation("hung", 1)[0]), 15)
+        assert status >= 500
+        row = await last_row(proxy)
+        assert row.err and "first byte" in row.err
+        assert (await host_view(proxy, "a"))["healthy"] is False
+        assert proxy.router.limiter.in_flight("a", "m") == 0

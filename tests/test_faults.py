@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import signal
 import sqlite3
@@ -119,6 +120,19 @@ async def test_every_host_refusing_before_the_poller_notices_is_a_prompt_error(t
     assert healthy == {"a": False, "b": False}
     (row,) = rows
     assert row.status in (None, 502, 503) and row.err
+
+
+@pytest.mark.xfail(strict=True, reason="bug: a pre-flight that fails with no other candidate lets "
+                   "mitmproxy answer its own HTML 502 instead of crossbar's JSON 503 'no healthy host'")
+@pytest.mark.parametrize("names", [("a",), ("a", "b")])
+async def test_no_host_left_before_the_poller_notices_is_crossbars_json_503(
+        tmp_path: Path, names: tuple[str, ...]) -> None:
+    async with fleet_and_proxy(tmp_path, names=names, poll_interval="60s") as (fleet, proxy):
+        for name in names:
+            fleet[name].set(refuse=True)
+        status, headers, body = await post(f"{proxy.url}/r{CHAT}", {"messages": MSGS})
+    assert (status, headers.get("Content-Type")) == (503, "application/json"), (status, headers, body)
+    assert json.loads(body)["error"] == "no healthy host" and int(headers["Retry-After"]) >= 1
 
 
 # ---------------------------------------------------------------- 5xx on the only candidate

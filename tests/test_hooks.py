@@ -12,6 +12,7 @@ from typing import Any
 
 from harness import HostSpec, write_config
 from mitmproxy import http
+from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.test import taddons, tflow, tutils
 
 from crossbar.addon import META, Crossbar
@@ -28,6 +29,9 @@ class Rig:
     router: Router
     tctx: Any
 
+    async def request(self, flow: http.HTTPFlow) -> None:
+        await asyncio.wait_for(self.addon.request(flow), 5)  # a slot wait must never hang the suite
+
     async def rows(self) -> list[Any]:
         await asyncio.to_thread(self.router.store.flush)
         return await asyncio.to_thread(self.router.store.requests_since, 0)
@@ -36,12 +40,13 @@ class Rig:
 @asynccontextmanager
 async def rig(tmp_path: Path, base_url: str = "http://llama-1.test:8080") -> AsyncIterator[Rig]:
     """The addon configured from a TOML in a taddons context, with a hand-built Router."""
-    cfg = write_config(tmp_path / "crossbar.toml", {"a": (base_url, HostSpec({"m": {}}))},
+    cfg = write_config(tmp_path / "crossbar.toml", {"a": (base_url, HostSpec({"m": {"parallel": 4}}))},
                        {"r": {"hosts": ["a"], "default_model": "m"}})
     addon = Crossbar()
-    with taddons.context(addon) as tctx:
+    with taddons.context(Proxyserver(), addon) as tctx:  # proxyserver owns the options crossbar sets
         tctx.configure(addon, crossbar_config=str(cfg))
         assert addon.cfg is not None
+        assert tctx.options.connection_strategy == "lazy"
         router = Router(addon.cfg)
         router.open()
         addon.router, addon.admin = router, Admin(router)
@@ -66,7 +71,7 @@ def sse_response() -> http.Response:
 async def test_request_rewrites_the_upstream_and_strips_the_route(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         f = make_flow("/r/v1/chat/completions?a=1&b=two", CHAT_BODY)
-        await r.addon.request(f)
+        await r.request(f)
         assert f.response is None  # forwarded, not answered
         assert (f.request.scheme, f.request.host, f.request.port) == ("http", "llama-1.test", 8080)
         assert f.request.path == "/v1/chat/completions?a=1&b=two"
@@ -81,7 +86,7 @@ async def test_request_rewrites_the_upstream_and_strips_the_route(tmp_path: Path
 async def test_request_keeps_the_hosts_base_path(tmp_path: Path) -> None:
     async with rig(tmp_path, "https://llama-2.test:8443/llm") as r:
         f = make_flow("/r/v1/chat/completions", CHAT_BODY)
-        await r.addon.request(f)
+        await r.request(f)
         assert (f.request.scheme, f.request.host, f.request.port) == ("https", "llama-2.test", 8443)
         assert f.request.path == "/llm/v1/chat/completions"
         await r.addon.response(f)
@@ -90,7 +95,7 @@ async def test_request_keeps_the_hosts_base_path(tmp_path: Path) -> None:
 async def test_unknown_route_is_a_json_short_circuit(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         f = make_flow("/nope/v1/chat/completions", CHAT_BODY)
-        await r.addon.request(f)
+        await r.request(f)
         assert f.response is not None and f.response.status_code == 404
         assert f.response.headers["content-type"] == "application/json"
         err = json.loads(f.response.content or b"")["error"]
@@ -102,13 +107,13 @@ async def test_unknown_route_is_a_json_short_circuit(tmp_path: Path) -> None:
 async def test_responseheaders_tees_sse_but_not_json(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         sse = make_flow("/r/v1/chat/completions", {**CHAT_BODY, "stream": True})
-        await r.addon.request(sse)
+        await r.request(sse)
         sse.response = sse_response()
         r.addon.responseheaders(sse)
         assert isinstance(sse.response.stream, SSETap)
 
         plain = make_flow("/r/v1/chat/completions", CHAT_BODY)
-        await r.addon.request(plain)
+        await r.request(plain)
         plain.response = tutils.tresp(headers=http.Headers(content_type="application/json"))
         r.addon.responseheaders(plain)
         assert not plain.response.stream
@@ -119,11 +124,13 @@ async def test_responseheaders_tees_sse_but_not_json(tmp_path: Path) -> None:
 async def test_a_full_cycle_writes_one_row_with_the_usage(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         f = make_flow("/r/v1/chat/completions", CHAT_BODY)
+        await r.request(f)
         reply = {"usage": {"prompt_tokens": 12, "completion_tokens": 3},
                  "timings": {"cache_n": 10, "prompt_n": 2, "predicted_n": 3}}
         f.response = tutils.tresp(headers=http.Headers(content_type="application/json"),
                                   content=json.dumps(reply).encode())
-        await r.tctx.cycle(r.addon, f)  # requestheaders, request, responseheaders, response
+        r.addon.responseheaders(f)
+        await r.addon.response(f)
         (row,) = await r.rows()
         assert (row.host, row.status, row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (
             "a", 200, 12, 10, 3)
@@ -132,7 +139,7 @@ async def test_a_full_cycle_writes_one_row_with_the_usage(tmp_path: Path) -> Non
 async def test_response_then_error_write_exactly_one_row(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         f = make_flow("/r/v1/chat/completions", CHAT_BODY)
-        await r.addon.request(f)
+        await r.request(f)
         f.response = sse_response()
         r.addon.responseheaders(f)
         await r.addon.response(f)
@@ -148,7 +155,7 @@ async def test_response_then_error_write_exactly_one_row(tmp_path: Path) -> None
 async def test_error_alone_writes_one_row_and_frees_the_slot(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         f = make_flow("/r/v1/chat/completions", {**CHAT_BODY, "stream": True})
-        await r.addon.request(f)
+        await r.request(f)
         f.error = tflow.terr("HTTP/1 protocol error: peer closed connection")
         r.addon.error(f)
         r.addon.error(f)
@@ -160,7 +167,7 @@ async def test_error_alone_writes_one_row_and_frees_the_slot(tmp_path: Path) -> 
 async def test_admin_is_answered_without_an_upstream(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         f = make_flow("/_crossbar/hosts", method="GET")
-        await r.addon.request(f)
+        await r.request(f)
         assert f.response is not None and f.response.status_code == 200
         assert f.request.host == "placeholder"
         hosts = json.loads(f.response.content or b"")

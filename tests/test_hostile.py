@@ -6,9 +6,10 @@ garbage is accepted and marked so in the table), or a correct answer; never a tr
 proxy's output, never a hang (every socket read is bounded), never an upstream that should not
 have been contacted (the sim's request counters and a canary server's connection count show it).
 
-| case | accepted answers | who answers |
-|---|---|---|
-| see `CASES` below: `statuses`, `json` (crossbar's own JSON error), `reach` (may the sim see it) | | |
+The table is `CASES`: per case the accepted statuses, `json=True` where the answer must be
+crossbar's own JSON error, and `reach=True` where the request is valid and may reach the sim.
+`MITM_400` marks protocol garbage that mitmproxy itself rejects (its own 400, or a closed
+connection) before any crossbar hook runs; that is accepted and needs no JSON.
 """
 
 from __future__ import annotations
