@@ -1,8 +1,10 @@
 """The mitmproxy addon: wires mitmproxy's hooks to the router. Short hooks, no policy here.
 
 A request's way through it:
-  request          admin short-circuit | resolve route · peek body · lease · slot · rewrite upstream
-  server_connect   TCP pre-flight of a new upstream connection; refused → fail over (lease moves)
+  request          admin short-circuit | resolve route · identity · peek body · lease · context
+                   guard · slot · pre-flight of a new upstream connection (refused → fail over,
+                   the lease moves) · rewrite upstream
+  server_connect   a kept-alive upstream connection closed meanwhile: pre-flight the new one
   responseheaders  first byte; SSE → stream through the usage tap; 5xx → hold for one retry
   response         retry a 5xx elsewhere; read usage; write the row
   error            cut stream, refused connect, client gone: passive health, write the row
@@ -55,6 +57,8 @@ class Crossbar:
         self.admin: Admin | None = None
         self._session: aiohttp.ClientSession | None = None
         self._gone: dict[str, asyncio.Event] = {}  # client connection id → set when it leaves
+        # client connection id → upstream addresses it holds open (mitmproxy reuses those)
+        self._upstreams: dict[str, set[tuple[str, int]]] = {}
         self._current: dict[str, http.HTTPFlow] = {}  # client connection id → flow being forwarded
         self.listen_specs: list[str] = []
         self._roles: dict[str, tuple[str, str]] = {}  # listener spec → (role, route name)
@@ -69,15 +73,18 @@ class Crossbar:
     def configure(self, updated: set[str]) -> None:
         if "crossbar_config" not in updated:
             return
-        path = ctx.options.crossbar_config
-        if not path:
-            raise exceptions.OptionsError("crossbar_config is not set: add --set crossbar_config=PATH")
         if self.router is not None:
             raise exceptions.OptionsError("crossbar_config cannot change while crossbar runs; restart it")
+        path = ctx.options.crossbar_config
         try:
+            if not path:
+                raise ConfigError("crossbar_config is not set: add --set crossbar_config=PATH")
             self.cfg = load_config(path)
         except ConfigError as exc:
-            raise exceptions.OptionsError(f"crossbar config: {exc}") from None
+            # one clear line; an error logged during start-up makes mitmproxy exit non-zero
+            log.error("crossbar config: %s", exc)
+            self.cfg = None
+            return
         # a hard memory guard; crossbar itself answers JSON 413 above max_body
         ctx.options.update(
             connection_strategy="lazy",
@@ -86,8 +93,7 @@ class Crossbar:
         )
 
     async def running(self) -> None:
-        if self.cfg is None:
-            log.error("crossbar: no configuration loaded; not serving")
+        if self.cfg is None:  # the configuration error was logged; mitmproxy exits
             return
         router = Router(self.cfg)
         try:
@@ -126,6 +132,7 @@ class Crossbar:
             if route.listen is not None:
                 self._roles[f"reverse:{PLACEHOLDER}@{route.listen}"] = (ROUTE, name)
         self.listen_specs = list(self._roles)
+        _ensure_certstore()
         ctx.options.update(server=True, mode=self.listen_specs)
         ps = ctx.master.addons.get("proxyserver")
         for _ in range(500):  # the option change starts the servers on a task
@@ -175,6 +182,7 @@ class Crossbar:
         self._gone[client.id] = asyncio.Event()
 
     def client_disconnected(self, client: Client) -> None:
+        self._upstreams.pop(client.id, None)
         self._current.pop(client.id, None)
         gone = self._gone.pop(client.id, None)
         if gone:
@@ -206,6 +214,7 @@ class Crossbar:
             else:
                 await self.router.host_for_read(ex)
             await self.router.take_slot(ex, self._gone_event(flow))
+            await self._reachable(flow, ex)
         except CrossbarError as exc:
             self._answer(flow, exc, ex)
             return
@@ -303,29 +312,59 @@ class Crossbar:
 
     # ------------------------------------------------------------ upstream connection
 
+    async def _reachable(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        """Pre-flight: unless this client connection already holds an open connection to the
+        host (mitmproxy reuses it), check the host accepts one. A host that refuses is marked
+        down and the request moves on (its lease with it) while crossbar can still answer;
+        nowhere left to go is crossbar's JSON error, not mitmproxy's 502 page."""
+        assert self.router is not None
+        cfg = self.router.cfg
+        for _ in range(len(cfg.hosts)):
+            conf = cfg.hosts[ex.host]
+            if (conf.host, conf.port) in self._upstreams.get(flow.client_conn.id, ()):
+                return
+            why = await preflight(conf.host, conf.port, cfg.connect_timeout)
+            if why is None:
+                ex.checked = (conf.host, conf.port)
+                return
+            self.router.passive_mark(ex.host, f"connect failed: {why}")
+            try:
+                await self.router.move(ex, "connect failed", self._gone_event(flow))
+            except CrossbarError:
+                ex.err = f"{ex.host}: connect failed: {why}; no other host"
+                raise
+
     async def server_connect(self, data: ServerConnectionHookData) -> None:
-        """Before mitmproxy opens a new upstream connection, check the host takes connections;
-        if not, move the lease to another candidate (nothing has reached the client yet)."""
+        """A new upstream connection the request hook did not check: the kept-alive one it
+        expected to reuse was closed meanwhile (a host that just died). Check it now and move
+        the request if the host refuses; only a 502 is possible when nothing else is left."""
         flow = self._current.get(data.client.id)
         ex: Exchange | None = flow.metadata.get(META) if flow else None
         if flow is None or ex is None or self.router is None or data.server.address is None:
             return
-        host, port = data.server.address
-        why = await preflight(host, port, self.router.cfg.connect_timeout)
+        if ex.checked == data.server.address:
+            return
+        why = await preflight(*data.server.address, self.router.cfg.connect_timeout)
         if why is None:
             return
         self.router.passive_mark(ex.host, f"connect failed: {why}")
         try:
-            moved = await self.router.move(ex, "connect failed", self._gone_event(flow))
+            await self.router.move(ex, "connect failed", self._gone_event(flow))
         except (CrossbarError, ClientGone):
-            moved = False
-        if not moved:
-            ex.err = f"connect failed: {why}"
+            ex.err = f"{ex.host}: connect failed: {why}; no other host"
             return
         self._forward(flow, ex)
         data.server.address = (flow.request.host, flow.request.port)
         if flow.request.scheme == "https":
             data.server.sni = flow.request.host
+
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        if data.server.address is not None:
+            self._upstreams.setdefault(data.client.id, set()).add(data.server.address)
+
+    def server_disconnected(self, data: ServerConnectionHookData) -> None:
+        if data.server.address is not None:
+            self._upstreams.get(data.client.id, set()).discard(data.server.address)
 
     # ------------------------------------------------------------ response
 
@@ -370,10 +409,8 @@ class Crossbar:
         if status in PASSIVE_DOWN_STATUSES:
             self.router.passive_mark(ex.host, f"answered {status}")
         try:
-            moved = await self.router.move(ex, f"answered {status}", self._gone_event(flow))
+            await self.router.move(ex, f"answered {status}", self._gone_event(flow))
         except (CrossbarError, ClientGone):
-            moved = False
-        if not moved:
             ex.err = f"upstream answered {status}; no other host to retry on"
             return
         ex.retried = True
@@ -416,6 +453,15 @@ class Crossbar:
         if flow.response is not None and ex.status is None:
             ex.status = flow.response.status_code
         self.router.finish(ex)
+
+
+def _ensure_certstore() -> None:
+    """mitmproxy runs a script's `running` hook before its TLS addon's, which loads the cert
+    store; a client arriving on a freshly opened listener before that crashes the TLS addon.
+    Load it first, as that addon's own `running` would."""
+    tls = ctx.master.addons.get("tlsconfig")
+    if tls is not None and getattr(tls, "certstore", None) is None:
+        tls.configure({"confdir"})
 
 
 def close_server_connection(flow: http.HTTPFlow) -> bool:

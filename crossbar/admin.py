@@ -132,7 +132,7 @@ class Admin:
         names = list(r.cfg.routes) + sorted(set(by_route) - set(r.cfg.routes))
         out: dict[str, Any] = {}
         for name in names:
-            conf = match_route(name, r.cfg.routes)
+            conf = r.cfg.routes.get(name) or match_route(name, r.cfg.routes)
             if conf is None:  # a lease of a route removed from the config
                 continue
             out[name] = {
@@ -141,6 +141,8 @@ class Admin:
                 "pinned": r.leases.pinned(name),
                 "leases": by_route.get(name, []),
             }
+            if conf.is_template:
+                out[name]["template"] = True  # concrete routes made from it are listed by name
         return out
 
     # ------------------------------------------------------------ changes

@@ -220,8 +220,10 @@ class Router:
             self.limiter.release(ex.ticket)
             ex.ticket = None
 
-    async def move(self, ex: Exchange, reason: str, gone: asyncio.Event | None) -> bool:
-        """The leased host failed before anything reached the client: lease elsewhere, once."""
+    async def move(self, ex: Exchange, reason: str, gone: asyncio.Event | None) -> None:
+        """The leased host failed before anything reached the client: lease elsewhere (the lease
+        moves with it). Raises the client's answer (`CrossbarError`) when there is nowhere to go,
+        e.g. a pinned route whose host is down."""
         failed = ex.host
         ex.excluded.add(failed)
         self.free_slot(ex)
@@ -232,11 +234,10 @@ class Router:
                 await self.host_for_read(ex, exclude=ex.excluded)
         except errors.CrossbarError:
             ex.host = failed
-            return False
+            raise
         log.warning("%s on %s: moving %s/%s to %s", reason, failed, ex.key.route, ex.model, ex.host)
         await self.take_slot(ex, gone)
         ex.decision = "retried"
-        return True
 
     def passive_mark(self, host: str, reason: str) -> None:
         if self.fleet.mark_down(host, reason):

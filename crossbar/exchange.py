@@ -37,6 +37,7 @@ class Exchange:
     retry_pending: bool = False  # a 5xx arrived before anything reached the client
     retried: bool = False
     excluded: set[str] = field(default_factory=set)  # hosts that failed this request
+    checked: tuple[str, int] | None = None  # upstream address the pre-flight just found open
     finished: bool = False
     deadline: asyncio.TimerHandle | None = None  # first-byte timeout
 

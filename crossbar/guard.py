@@ -14,7 +14,9 @@ import math
 from crossbar.errors import CrossbarError
 
 DEFAULT_BYTES_PER_TOKEN = 4.0
-MARGIN = 1.2
+MARGIN = 1.2  # on the blind bytes/4 guess only
+LEARNED_MARGIN = 1.0  # a ratio measured on the model itself needs none: refusing a prompt the
+# server would accept is worse than letting the server refuse one (in the same error shape)
 LEARN_MIN_BYTES = 256  # short prompts are dominated by the chat template's fixed overhead
 LEARN_WEIGHT = 0.3
 
@@ -28,8 +30,10 @@ class TokenEstimator:
     def estimate(self, model: str, prompt_bytes: int) -> int:
         if prompt_bytes <= 0:
             return 0
-        ratio = self.ratio.get(model, self.default_ratio)
-        return math.ceil(round(prompt_bytes * ratio * self.margin, 6))
+        learned = self.ratio.get(model)
+        if learned is None:
+            return math.ceil(round(prompt_bytes * self.default_ratio * self.margin, 6))
+        return math.ceil(round(prompt_bytes * learned * LEARNED_MARGIN, 6))
 
     def learn(self, model: str, prompt_bytes: int, prompt_tokens: int | None) -> None:
         """Fold in one reply's real count (whole prompt, cached part included)."""

@@ -305,8 +305,6 @@ async def test_pin_moves_the_route_and_a_down_pin_is_a_clear_503(tmp_path: Path)
         assert len(fleet["a"].stats.records) == a_before  # never a silent move
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a pinned host that refuses connections before the poller "
-                   "notices gives mitmproxy's 502 HTML page, not crossbar's 503 JSON naming the pin")
 async def test_pinned_host_refusing_before_the_poller_notices_is_a_clear_503(tmp_path: Path) -> None:
     specs = {"a": host(weight=2), "b": host(weight=1)}
     async with setup(tmp_path, specs, poll_interval="60s") as (fleet, proxy):
@@ -469,8 +467,6 @@ async def test_no_healthy_host_is_the_documented_503(tmp_path: Path) -> None:
         assert json.loads(body) == {"error": "no healthy host", "woke": []}
 
 
-@pytest.mark.xfail(strict=True, reason="bug: when the only candidate refuses connections before the "
-                   "poller notices, the client gets mitmproxy's 502 HTML page instead of a JSON error")
 async def test_the_only_host_refusing_before_the_poller_notices_is_a_json_error(tmp_path: Path) -> None:
     async with setup(tmp_path, {"a": host()}, poll_interval="60s") as (fleet, proxy):
         await ok(proxy, conversation("alone", 1)[0])

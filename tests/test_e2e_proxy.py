@@ -450,8 +450,6 @@ def test_mitmdump_refuses_a_missing_config_file(tmp_path: Path) -> None:
 
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a config error reaches the operator as mitmproxy's 'error "
-                   "in script' plus a Python traceback, not one clear line (configure raises OptionsError)")
 def test_a_bad_config_is_reported_in_one_clear_line(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "bad.toml", {"a": ("http://127.0.0.1:9", HostSpec({"m": {}}))},
                        {"r": {"hosts": ["a"]}}, bogus_setting=1)

@@ -122,8 +122,6 @@ async def test_every_host_refusing_before_the_poller_notices_is_a_prompt_error(t
     assert row.status in (None, 502, 503) and row.err
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a pre-flight that fails with no other candidate lets "
-                   "mitmproxy answer its own HTML 502 instead of crossbar's JSON 503 'no healthy host'")
 @pytest.mark.parametrize("names", [("a",), ("a", "b")])
 async def test_no_host_left_before_the_poller_notices_is_crossbars_json_503(
         tmp_path: Path, names: tuple[str, ...]) -> None:

@@ -379,8 +379,6 @@ def sized_turn(content_bytes: int) -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the context guard applies its 1.2 margin on top of the learned "
-                   "tokens/byte ratio: prompts the server accepts (~1700-2040 tokens of 2048) get 400")
 async def test_a_prompt_the_server_accepts_is_not_refused_by_the_guard(
         real_pair: list[LlamaServer], tmp_path: Path) -> None:
     direct = await post(f"{real_pair[0].url}{CHAT}", sized_turn(1800))
