@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from crossbar import errors
 from crossbar.choose import Candidate, choose
-from crossbar.config import Config, RouteConf
+from crossbar.config import Config
 from crossbar.exchange import Exchange
 from crossbar.guard import TokenEstimator, fits, overflow
 from crossbar.hosts import Fleet, Poller, PollResult
@@ -162,7 +162,6 @@ class Router:
         context moves (with its lease) to a candidate where it fits; fitting nowhere is a 400 in
         llama-server's own shape. A context that is unknown never blocks."""
         est = self.estimator.estimate(ex.model, ex.prompt_bytes)
-        ex.prompt_tokens_est = est
         if fits(est, self.fleet.slot_ctx(ex.host, ex.model)):
             return
         fitting = self._fitting(ex.route.hosts, ex.model, est)
@@ -296,6 +295,3 @@ class Router:
                 busy = self.limiter.in_flight(name, model)
                 yield (name, model, self.fleet.free_slots(name, model, busy), busy,
                        self.limiter.queued(name, model), self.fleet.capacity(name, model))
-
-    def route_names(self) -> list[RouteConf]:
-        return list(self.cfg.routes.values())

@@ -21,7 +21,6 @@ class Exchange:
     completion: bool  # a POST that takes a slot and writes an accounting row
     stream: bool = False
     prompt_bytes: int = 0
-    prompt_tokens_est: int = 0
     ctx_moved: str = ""  # "moved:<from>><to>" when the context guard moved it (X-Crossbar-Ctx)
     started: float = field(default_factory=time.time)  # wall clock, for the row
     t0: float = field(default_factory=time.monotonic)

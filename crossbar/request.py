@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -384,13 +383,3 @@ def fingerprint(messages: Sequence[Mapping[str, Any]]) -> str:
     digest.update(b"system:%d:" % len(system) + system)
     digest.update(b"user:%d:" % len(user) + user)
     return digest.hexdigest()
-
-
-def estimate_prompt_tokens(prompt_bytes: int, bytes_per_token: float = 4.0, margin: float = 1.2) -> int:
-    """A generous prompt-token estimate from its byte size (rounded up; 0 for no bytes)."""
-    if prompt_bytes <= 0:
-        return 0
-    if not bytes_per_token > 0 or not math.isfinite(bytes_per_token):
-        raise ValueError(f"bytes_per_token must be a positive number, not {bytes_per_token!r}")
-    estimate = prompt_bytes / bytes_per_token * max(margin, 0.0)
-    return math.ceil(round(estimate, 6))  # 250 x 1.2 is 300, not 301

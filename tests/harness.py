@@ -372,3 +372,15 @@ async def recording_upstream(
     finally:
         up.gate.set()
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def fleet_with_route(tmp_path: Path, specs: Mapping[str, HostSpec], **top: Any,
+                           ) -> AsyncIterator[tuple[Fleet, Proxy]]:
+    """Sims for `specs` and crossbar with route "r" (default model "m") over all of them, in
+    config order; `top` adds top-level config keys."""
+    async with sim_fleet(specs) as fleet:
+        cfg = write_config(tmp_path / "crossbar.toml", {n: (fleet[n].url, s) for n, s in specs.items()},
+                           {"r": {"hosts": list(specs), "default_model": "m"}}, **top)
+        async with crossbar_proxy(cfg) as proxy:
+            yield fleet, proxy

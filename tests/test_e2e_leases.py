@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from harness import (
     Proxy,
     conversation,
     crossbar_proxy,
+    fleet_with_route,
     is_error_shape,
     lease_event_rows,
     request_rows,
@@ -39,15 +39,7 @@ def host(parallel: int = 0, weight: float = 1.0, **sim: Any) -> HostSpec:
     return HostSpec(models, weight, SimConfig(models=["m"], n_slots=parallel or 2, **sim))
 
 
-@asynccontextmanager
-async def setup(tmp_path: Path, specs: Mapping[str, HostSpec], **top: Any) -> AsyncIterator[
-        tuple[Fleet, Proxy]]:
-    """Sims for `specs` and crossbar with route "r" over all of them (config order)."""
-    async with sim_fleet(specs) as fleet:
-        cfg = write_config(tmp_path / "crossbar.toml", {n: (fleet[n].url, s) for n, s in specs.items()},
-                           {"r": {"hosts": list(specs), "default_model": "m"}}, **top)
-        async with crossbar_proxy(cfg) as proxy:
-            yield fleet, proxy
+setup = fleet_with_route
 
 
 async def send(proxy: Proxy, messages: Messages, *, stream: bool = False,

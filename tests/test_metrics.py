@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from accounting_util import host, parse_exposition, scrape, send_turn, summed, total
 from harness import (
-    Fleet,
-    HostSpec,
     Proxy,
     conversation,
-    crossbar_proxy,
+    fleet_with_route,
     lease_event_rows,
-    sim_fleet,
     wait_until,
-    write_config,
 )
 
 from crossbar.metrics import LEASE_REASONS, LiveCollector, Metrics
@@ -44,15 +38,7 @@ FAMILIES = {
 }
 
 
-@asynccontextmanager
-async def setup(tmp_path: Path, specs: Mapping[str, HostSpec], **top: Any) -> AsyncIterator[
-        tuple[Fleet, Proxy]]:
-    """Sims for `specs` and crossbar with route "r" over all of them."""
-    async with sim_fleet(specs) as fleet:
-        cfg = write_config(tmp_path / "crossbar.toml", {n: (fleet[n].url, s) for n, s in specs.items()},
-                           {"r": {"hosts": list(specs), "default_model": "m"}}, **top)
-        async with crossbar_proxy(cfg) as proxy:
-            yield fleet, proxy
+setup = fleet_with_route
 
 
 async def admin_post(proxy: Proxy, path: str, body: Any) -> None:

@@ -13,7 +13,6 @@ from crossbar.request import (
     ALLOWED,
     COMPLETION_PATHS,
     BodyPeek,
-    estimate_prompt_tokens,
     fingerprint,
     match_route,
     peek_body,
@@ -517,32 +516,6 @@ def test_fingerprint_tolerates_odd_shapes() -> None:
         {"role": "user", "content": [1, {"type": "text", "text": 2}, {"text": "no type"}]},
     ]
     assert fingerprint(odd) == _fp(("user", ""))
-
-
-# ---------------------------------------------------------------- estimate
-
-
-@pytest.mark.parametrize(
-    ("prompt_bytes", "kwargs", "expected"),
-    [
-        (0, {}, 0),
-        (-5, {}, 0),
-        (4, {}, 2),  # 1 token x 1.2 rounded up
-        (1000, {}, 300),
-        (1001, {}, 301),
-        (1000, {"bytes_per_token": 2.0}, 600),
-        (1000, {"margin": 1.0}, 250),
-        (3, {"margin": 1.0}, 1),
-    ],
-)
-def test_estimate_prompt_tokens(prompt_bytes: int, kwargs: dict[str, float], expected: int) -> None:
-    assert estimate_prompt_tokens(prompt_bytes, **kwargs) == expected
-
-
-@pytest.mark.parametrize("bytes_per_token", [0.0, -1.0, float("nan"), float("inf")])
-def test_estimate_prompt_tokens_bad_ratio(bytes_per_token: float) -> None:
-    with pytest.raises(ValueError):
-        estimate_prompt_tokens(10, bytes_per_token=bytes_per_token)
 
 
 # ---------------------------------------------------------------- properties
