@@ -1,6 +1,6 @@
 """crossbar benchmark: overhead, decision cost and cache affinity, side by side in one run.
 
-    .venv/bin/python bench/bench.py [--quick] [--only overhead|decision|affinity] [--out FILE.json]
+    .venv/bin/python bench/bench.py [--quick] [--real] [--only overhead|decision|affinity] [--out FILE.json]
 
 1. overhead  - TTFB and per-SSE-event delay: direct to a simulated llama-server, through a bare
                `mitmdump` reverse proxy, and through crossbar (all three are subprocesses), at
@@ -9,6 +9,13 @@
                in-process at 1,000 live leases and 3 hosts, beside bare mitmdump's own cost.
 3. affinity  - 12 conversations x 20 growing turns on 3 simulated hosts: share of prompt tokens
                served from cache through crossbar, round-robin, and ideal.
+
+`--real` runs overhead and affinity against real llama.cpp `llama-server` processes (the tiny
+random-weight models of ../shared/llama-lab, found in $CROSSBAR_LLAMA_LAB, default
+~/.cache/crossbar-llama-lab) instead of the simulator: overhead at 4 KiB and 16 KiB bodies with
+TTFB and stream span (first event -> `[DONE]`; the real server stamps no events), affinity with
+the default host prompt cache and with `--cache-ram 0`. The decision section is in-process and
+engine-independent, so `--real` skips it unless `--only decision` asks for it.
 
 Targets are reported as PASS/MISS, never asserted: the exit code is 0 unless something crashed.
 Loopback only; every process this script starts is stopped by it (also on Ctrl-C and SIGTERM).
@@ -72,6 +79,9 @@ EVENT_TARGET = 1.10  # crossbar's per-event delay <= 1.1 x bare mitmdump's
 DECISION_TARGET = 0.15  # crossbar's decision cost <= 15 % of bare mitmdump's own per-request cost
 AFFINITY_TARGET = 0.98  # crossbar's cached share >= 0.98 x ideal
 THINK_MAX_S = 0.03  # affinity: pause before each turn, uniform in [0, THINK_MAX_S]
+AFFINITY_MAX_TOKENS = 8  # affinity: tokens generated per turn (the tiny real model never stops early)
+REAL_SIZES = {"4 KiB": 4 * KIB, "16 KiB": 16 * KIB}  # the tiny model reads one token per byte
+REAL_OVERHEAD_CTX = 65536  # -c of the overhead server: 2 slots x 32k tokens, room for 16 KiB bodies
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,33 @@ class Plan:
 
 QUICK = Plan(overhead_n=15, overhead_warmup=2, decision_n={"4 KiB": 300, "1 MiB": 30},
              conversations=6, turns=8, in_flight=3)
+REAL = Plan(max_tokens=16, token_ms=math.nan)  # token_ms: the real server's own pace, not set
+REAL_QUICK = Plan(overhead_n=15, overhead_warmup=2, max_tokens=16, token_ms=math.nan,
+                  decision_n={"4 KiB": 300, "1 MiB": 30}, conversations=6, turns=8, in_flight=3)
+
+
+@dataclass
+class Lab:
+    """A real llama.cpp `llama-server` build and the tiny model it serves (`--real`)."""
+
+    server: Path
+    model: Path
+    build: str = ""  # "b11312", from the first server's /props
+
+    @classmethod
+    def find(cls) -> Lab:
+        root = Path(os.environ.get("CROSSBAR_LLAMA_LAB")
+                    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crossbar-llama-lab")
+        lab = cls(root / "build" / "bin" / "llama-server", root / "models" / "tiny-a.gguf")
+        for path in (lab.server, lab.model):
+            if not path.is_file():
+                raise SystemExit(f"--real: no {path} (build it with ../shared/llama-lab/setup.sh "
+                                 "or point CROSSBAR_LLAMA_LAB at its directory)")
+        return lab
+
+    @property
+    def heading(self) -> str:
+        return f"real llama-server {self.build or '(unknown build)'}"
 
 
 # ---------------------------------------------------------------------------- small helpers
@@ -233,6 +270,21 @@ def sim_cmd(port: int, token_ms: float, max_tokens: int) -> list[str]:
     return [PYTHON, str(ROOT / "bench" / "stamped_sim.py"), "--host", LOOPBACK, "--port", str(port),
             "--model", MODEL, "--slots", "2", "--ctx", str(8 * 1024 * 1024), "--token-ms", str(token_ms),
             "--prompt-ms", "0", "--cache-ram-tokens", "0", "--max-tokens", str(max_tokens)]
+
+
+def llama_cmd(lab: Lab, port: int, ctx: int, extra: Sequence[str] = ()) -> list[str]:
+    """A real llama-server: 2 slots, one thread (the other core is left to the proxies)."""
+    return [str(lab.server), "-m", str(lab.model), "--host", LOOPBACK, "--port", str(port),
+            "-c", str(ctx), "-np", "2", "-t", "1", "--metrics", "--slots", "--no-ui", "--alias", MODEL,
+            *extra]
+
+
+async def llama_props(lab: Lab, port: int) -> dict[str, Any]:
+    """The server's /props; notes its build (b11312-0c1e570 -> b11312) in `lab`."""
+    async with aiohttp.ClientSession() as session, session.get(f"http://{LOOPBACK}:{port}/props") as resp:
+        props: dict[str, Any] = await resp.json(content_type=None)
+    lab.build = lab.build or str(props.get("build_info", "")).split("-")[0]
+    return props
 
 
 def bare_mitmdump_cmd(port: int, upstream: int) -> list[str]:
@@ -417,6 +469,7 @@ class Cell:
     ttfb_ms: list[float] = field(default_factory=list)
     delay_ms: list[float] = field(default_factory=list)  # arrival - the sim's stamp, every event
     gap_dev_ms: list[float] = field(default_factory=list)  # |inter-event gap - token_ms|
+    span_ms: list[float] = field(default_factory=list)  # first event -> last event (`[DONE]`)
     errors: int = 0
 
     def add(self, got: Streamed, token_ms: float) -> None:
@@ -424,6 +477,7 @@ class Cell:
             self.errors += 1
             return
         self.ttfb_ms.append(got.ttfb_ns / 1e6)
+        self.span_ms.append((got.events[-1][0] - got.events[0][0]) / 1e6)
         self.delay_ms += [(at - stamp) / 1e6 for at, stamp in got.events if stamp is not None]
         arrivals = [at for at, stamp in got.events if stamp is not None]
         # the first token renders two events back to back; gaps between tokens start after it
@@ -435,7 +489,8 @@ class Cell:
                 "ttfb_p50_ms": pct(self.ttfb_ms, 50), "ttfb_p99_ms": pct(self.ttfb_ms, 99),
                 "event_delay_p50_ms": pct(self.delay_ms, 50), "event_delay_p99_ms": pct(self.delay_ms, 99),
                 "events": len(self.delay_ms),
-                "gap_dev_p50_ms": pct(self.gap_dev_ms, 50), "gap_dev_p99_ms": pct(self.gap_dev_ms, 99)}
+                "gap_dev_p50_ms": pct(self.gap_dev_ms, 50), "gap_dev_p99_ms": pct(self.gap_dev_ms, 99),
+                "span_p50_ms": pct(self.span_ms, 50), "span_p99_ms": pct(self.span_ms, 99)}
 
 
 def chat_body_template(size: int, max_tokens: int, stream: bool = True) -> Callable[[int], bytes]:
@@ -465,17 +520,26 @@ async def overhead_size(targets: Sequence[Target], size: int, plan: Plan) -> dic
     return cells
 
 
-def overhead_rows(size_name: str, cells: dict[str, Cell]) -> tuple[list[list[str]], dict[str, Any]]:
+def overhead_rows(size_name: str, cells: dict[str, Cell], real: bool,
+                  ) -> tuple[list[list[str]], dict[str, Any]]:
+    """Table rows and figures of one body size. Per-event columns: the delay against the
+    simulator's stamps, or (`real`: no stamps) the stream span and what each target added to it."""
     s = {name: cell.summary() for name, cell in cells.items()}
     d = s["direct"]
     rows, out = [], {"targets": s}
     for name, v in s.items():
-        added50 = v["ttfb_p50_ms"] - d["ttfb_p50_ms"]
-        added99 = v["ttfb_p99_ms"] - d["ttfb_p99_ms"]
-        v["added_ttfb_p50_ms"], v["added_ttfb_p99_ms"] = added50, added99
-        rows.append([size_name, name, fmt(v["ttfb_p50_ms"]), fmt(v["ttfb_p99_ms"]),
-                     "-" if name == "direct" else fmt(added50), "-" if name == "direct" else fmt(added99),
-                     fmt(v["event_delay_p50_ms"], 3), fmt(v["event_delay_p99_ms"], 3),
+        for what in ("ttfb", "span"):
+            for q in ("p50", "p99"):
+                v[f"added_{what}_{q}_ms"] = v[f"{what}_{q}_ms"] - d[f"{what}_{q}_ms"]
+
+        def added(key: str, v: dict[str, Any] = v, name: str = name) -> str:
+            return "-" if name == "direct" else fmt(v[key])
+
+        per_event = ([fmt(v["span_p50_ms"]), fmt(v["span_p99_ms"]), added("added_span_p50_ms"),
+                      added("added_span_p99_ms")] if real
+                     else [fmt(v["event_delay_p50_ms"], 3), fmt(v["event_delay_p99_ms"], 3)])
+        rows.append([size_name, name, fmt(v["ttfb_p50_ms"]), fmt(v["ttfb_p99_ms"]), added("added_ttfb_p50_ms"),
+                     added("added_ttfb_p99_ms"), *per_event,
                      str(v["n"]) + (f" ({v['errors']} err)" if v["errors"] else "")])
     x = s["crossbar"]
     for key, base in (("ratios", s["mitmdump"]), ("ratios_buffered", s["mitmdump-buffered"])):
@@ -488,7 +552,8 @@ def overhead_rows(size_name: str, cells: dict[str, Cell]) -> tuple[list[list[str
     return rows, out
 
 
-async def run_overhead(plan: Plan, workdir: Path) -> dict[str, Any]:
+async def run_overhead(plan: Plan, workdir: Path, lab: Lab | None = None) -> dict[str, Any]:
+    """Direct vs proxies, to the stamped simulator or (`lab`) one real llama-server."""
     sim_port, mitm_port, xb_port, buf_port = free_port(), free_port(), free_port(), free_port()
     config = write_crossbar_toml(workdir / "overhead.toml", xb_port, workdir / "overhead.db",
                                  {"sim": sim_port}, "bench", poll_interval="30s", parallel=2)
@@ -498,11 +563,19 @@ async def run_overhead(plan: Plan, workdir: Path) -> dict[str, Any]:
                Target("crossbar", xb_port, "/bench" + CHAT, Conn(xb_port))]
     result: dict[str, Any] = {"token_ms": plan.token_ms, "max_tokens": plan.max_tokens,
                               "requests_per_target": plan.overhead_n, "warmup": plan.overhead_warmup,
-                              "sizes": {}}
+                              "upstream": "llama-server" if lab else "stamped simulator", "sizes": {}}
+    sizes = REAL_SIZES if lab else SIZES
     rows: list[list[str]] = []
     async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(running("sim", sim_cmd(sim_port, plan.token_ms, plan.max_tokens),
-                                                workdir, sim_port, "/health"))
+        if lab is None:
+            upstream = ("sim", sim_cmd(sim_port, plan.token_ms, plan.max_tokens))
+        else:
+            upstream = ("llama-server", llama_cmd(lab, sim_port, REAL_OVERHEAD_CTX))
+            result["llama_server_ctx"] = REAL_OVERHEAD_CTX
+        await stack.enter_async_context(running(*upstream, workdir, sim_port, "/health"))
+        if lab is not None:
+            props = await llama_props(lab, sim_port)
+            result["slot_ctx"] = props.get("default_generation_settings", {}).get("n_ctx")
         await stack.enter_async_context(running("mitmdump", bare_mitmdump_cmd(mitm_port, sim_port),
                                                 workdir, mitm_port, "/health"))
         buffered = buffered_mitmdump_cmd(buf_port, sim_port)
@@ -511,13 +584,35 @@ async def run_overhead(plan: Plan, workdir: Path) -> dict[str, Any]:
                                                 "/_crossbar/hosts"))
         for t in targets:
             stack.push_async_callback(t.conn.close)
-        for size_name, size in SIZES.items():
+        for size_name, size in sizes.items():
             cells = await overhead_size(targets, size, plan)
-            size_rows, result["sizes"][size_name] = overhead_rows(size_name, cells)
+            size_rows, result["sizes"][size_name] = overhead_rows(size_name, cells, lab is not None)
             rows += size_rows
-    result["table"] = overhead_table(rows, result["sizes"])
-    section("Overhead (ms; added = target - direct at the same percentile)", result["table"])
+    if lab is None:
+        result["table"] = overhead_table(rows, result["sizes"])
+        section("Overhead (ms; added = target - direct at the same percentile)", result["table"])
+    else:
+        result["llama_server_build"] = lab.build
+        result["table"] = real_overhead_table(rows, result["sizes"], plan, result.get("slot_ctx"))
+        section(f"Overhead, {lab.heading} (ms; added = target - direct at the same percentile)",
+                result["table"])
     return result
+
+
+def real_overhead_table(rows: list[list[str]], sizes: dict[str, Any], plan: Plan, slot_ctx: Any) -> str:
+    main = markdown(["body", "target", "TTFB p50", "TTFB p99", "added p50", "added p99",
+                     "span p50", "span p99", "added span p50", "added span p99", "requests"], rows)
+    ratio_rows = [[name, baseline, fmt(r[key]["added_ttfb_p50"]), fmt(r[key]["added_ttfb_p99"])]
+                  for name, r in sizes.items()
+                  for key, baseline in (("ratios", "mitmdump"), ("ratios_buffered", "mitmdump-buffered"))]
+    ratios = markdown(["body", "baseline", "added TTFB p50 ratio", "added TTFB p99 ratio"], ratio_rows)
+    return (f"One llama-server (`tiny-a.gguf`, `-c {REAL_OVERHEAD_CTX} -np 2 -t 1`, {fmt(slot_ctx)} tokens "
+            f"per slot), `max_tokens` {plan.max_tokens}, streamed; each body is one conversation whose "
+            "last message counts up (the slot cache holds the rest). The real server stamps no events, "
+            "so per-event delay is not measured: `span` = first event -> `[DONE]` at the client, and "
+            "`added span` = target - direct at the same percentile (what a path adds to the stream "
+            "after its first byte).\n\n"
+            + main + f"\n\ncrossbar / bare mitmdump (target: TTFB <= {TTFB_TARGET}):\n\n" + ratios)
 
 
 def overhead_table(rows: list[list[str]], sizes: dict[str, Any]) -> str:
