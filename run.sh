@@ -4,6 +4,7 @@
 #   ./run.sh test [ARGS]     run the whole test suite (ARGS go to pytest)
 #   ./run.sh demo            simulated llama-servers + crossbar on example.toml
 #   ./run.sh bench [ARGS]    the benchmarks (bench/bench.py)
+#   ./run.sh install         only create .venv and install the pinned dependencies
 # Creates .venv on first use (Python >= 3.12) and installs the pinned dependencies.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -93,8 +94,11 @@ case "${1:-}" in
     ensure_venv requirements-dev.txt
     "$VENV/bin/python" bench/bench.py "$@"
     ;;
+  install)
+    ensure_venv requirements.txt
+    ;;
   -h|--help|help)
-    sed -n '2,7p' "$0"
+    sed -n '2,8p' "$0"
     ;;
   *)
     ensure_venv requirements.txt

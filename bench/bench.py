@@ -792,7 +792,8 @@ async def run_decision(plan: Plan, workdir: Path, overhead: dict[str, Any] | Non
         for size_name, n in plan.decision_n.items():
             result["sizes"][size_name] = await decision_size(addon, router, SIZES[size_name], n)
     for size_name, d in result["sizes"].items():
-        mitm = overhead["sizes"][size_name]["targets"]["mitmdump"] if overhead else None
+        # (a `--real` overhead run has no 1 MiB bodies: that ratio is then n/a)
+        mitm = (overhead or {}).get("sizes", {}).get(size_name, {}).get("targets", {}).get("mitmdump")
         d["mitmdump_added_ttfb_p50_ms"] = mitm["added_ttfb_p50_ms"] if mitm else math.nan
         d["mitmdump_added_ttfb_p99_ms"] = mitm["added_ttfb_p99_ms"] if mitm else math.nan
         d["mitmdump_ttfb_p50_ms"] = mitm["ttfb_p50_ms"] if mitm else math.nan
@@ -878,7 +879,7 @@ async def drive(send: Send, plan: Plan) -> list[Turn]:
 
 def poster(session: aiohttp.ClientSession, urls: Callable[[], str]) -> Send:
     async def send(messages: list[dict[str, str]]) -> tuple[int, dict[str, Any]]:
-        body = {"model": MODEL, "messages": messages, "max_tokens": 8, "stream": False}
+        body = {"model": MODEL, "messages": messages, "max_tokens": AFFINITY_MAX_TOKENS, "stream": False}
         async with session.post(urls(), json=body, timeout=aiohttp.ClientTimeout(total=60)) as resp:
             reply = await resp.json(content_type=None) if resp.status == 200 else {}
             return resp.status, reply
@@ -901,20 +902,96 @@ def shares(turns: list[Turn]) -> dict[str, Any]:
             "cached_share": ratio(cached, prompt), "ideal_share": ratio(ideal, prompt)}
 
 
-@contextlib.asynccontextmanager
-async def sim_fleet(cache_ram_tokens: int) -> AsyncIterator[list[SimServer]]:
-    sims: list[SimServer] = []
-    try:
-        for _ in range(3):
-            sim = SimServer(SimConfig(models=[MODEL], n_slots=2, ctx=32768, token_ms=2.0,
-                                      prompt_ms_per_token=0.01, default_max_tokens=8,
-                                      cache_ram_tokens=cache_ram_tokens), host=LOOPBACK)
-            await sim.start()
-            sims.append(sim)
-        yield sims
-    finally:
-        for sim in sims:
-            await sim.close()
+@dataclass
+class Fleet:
+    """Three upstream hosts of 2 slots each, fresh (empty caches) for one method's run."""
+
+    ports: list[int]
+    requests_per_host: Callable[[], Awaitable[list[int]]]
+
+
+FleetFactory = Callable[[str], contextlib.AbstractAsyncContextManager[Fleet]]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    targeted: bool  # crossbar / ideal is checked against AFFINITY_TARGET (else shown for context)
+    sim_cache_ram_tokens: int = 0
+    llama_args: tuple[str, ...] = ()
+
+
+SCENARIOS = (Scenario("host RAM cache (default)", True, sim_cache_ram_tokens=1 << 30),
+             Scenario("slot cache only (cache_ram_tokens=0)", False, sim_cache_ram_tokens=0))
+REAL_SCENARIOS = (Scenario("host prompt cache (default --cache-ram)", True),
+                  Scenario("slot cache only (--cache-ram 0)", False, llama_args=("--cache-ram", "0")))
+
+
+def sim_fleet(scenario: Scenario) -> FleetFactory:
+    @contextlib.asynccontextmanager
+    async def fleet(tag: str) -> AsyncIterator[Fleet]:
+        sims: list[SimServer] = []
+
+        async def counts() -> list[int]:
+            return [len(sim.stats.records) for sim in sims]
+
+        try:
+            for _ in range(3):
+                sim = SimServer(SimConfig(models=[MODEL], n_slots=2, ctx=32768, token_ms=2.0,
+                                          prompt_ms_per_token=0.01, default_max_tokens=8,
+                                          cache_ram_tokens=scenario.sim_cache_ram_tokens), host=LOOPBACK)
+                await sim.start()
+                sims.append(sim)
+            yield Fleet([sim.port for sim in sims], counts)
+        finally:
+            for sim in sims:
+                await sim.close()
+
+    return fleet
+
+
+def chat_tokens(messages: list[dict[str, str]]) -> int:
+    """Prompt tokens of a chat on the tiny lab model (one token per byte, ChatML template)."""
+    return sum(len(m["role"]) + len(m["content"].encode()) + 4 for m in messages) + 11
+
+
+def real_slot_ctx(plan: Plan) -> tuple[int, int]:
+    """(longest prompt in tokens, per-slot context for it plus the reply, rounded up to 1024)."""
+    longest = max(chat_tokens(messages) for conv in range(plan.conversations)
+                  for messages in conversation(conv, plan.turns))
+    return longest, -(-(longest + AFFINITY_MAX_TOKENS) // 1024) * 1024
+
+
+async def predicted_requests(port: int) -> int:
+    """Completions a real server answered: tokens it generated / tokens per turn (the tiny model
+    never stops early, so every turn generates exactly AFFINITY_MAX_TOKENS)."""
+    async with aiohttp.ClientSession() as session, session.get(f"http://{LOOPBACK}:{port}/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith("llamacpp:tokens_predicted_total "):
+            return round(float(line.split()[1]) / AFFINITY_MAX_TOKENS)
+    return -1
+
+
+def real_fleet(lab: Lab, scenario: Scenario, workdir: Path, slot_ctx: int) -> FleetFactory:
+    @contextlib.asynccontextmanager
+    async def fleet(tag: str) -> AsyncIterator[Fleet]:
+        ports = [free_port() for _ in range(3)]
+
+        async def counts() -> list[int]:
+            return [await predicted_requests(port) for port in ports]
+
+        async with contextlib.AsyncExitStack() as stack:
+            for i, port in enumerate(ports):
+                cmd = llama_cmd(lab, port, 2 * slot_ctx, scenario.llama_args)
+                await stack.enter_async_context(running(f"llama-{tag}-h{i}", cmd, workdir, port, "/health"))
+                props = await llama_props(lab, port)
+                got = props.get("default_generation_settings", {}).get("n_ctx")
+                if got != slot_ctx:
+                    raise RuntimeError(f"llama-server on :{port} has {got} tokens per slot, wanted {slot_ctx}")
+            yield Fleet(ports, counts)
+
+    return fleet
 
 
 async def crossbar_usage(session: aiohttp.ClientSession, port: int, route: str,
@@ -933,10 +1010,10 @@ async def crossbar_usage(session: aiohttp.ClientSession, port: int, route: str,
     return row
 
 
-async def affinity_crossbar(plan: Plan, workdir: Path, ram: int, tag: str) -> dict[str, Any]:
+async def affinity_crossbar(plan: Plan, workdir: Path, fleet: FleetFactory, tag: str) -> dict[str, Any]:
     port = free_port()
-    async with sim_fleet(ram) as sims, aiohttp.ClientSession() as session:
-        hosts = {f"h{i}": sim.port for i, sim in enumerate(sims)}
+    async with fleet(f"{tag}-xb") as hosts_up, aiohttp.ClientSession() as session:
+        hosts = {f"h{i}": host_port for i, host_port in enumerate(hosts_up.ports)}
         config = write_crossbar_toml(workdir / f"affinity-{tag}.toml", port, workdir / f"affinity-{tag}.db",
                                      hosts, "agents", poll_interval="1s", parallel=2)
         name = f"crossbar-affinity-{tag}"
@@ -945,42 +1022,54 @@ async def affinity_crossbar(plan: Plan, workdir: Path, ram: int, tag: str) -> di
             turns = await drive(poster(session, lambda: url), plan)
             result = shares(turns)
             result["crossbar_usage"] = await crossbar_usage(session, port, "agents", result["requests"])
-        result["requests_per_host"] = [len(sim.stats.records) for sim in sims]
+        result["requests_per_host"] = await hosts_up.requests_per_host()
     return result
 
 
-async def affinity_round_robin(plan: Plan, ram: int) -> dict[str, Any]:
-    async with sim_fleet(ram) as sims, aiohttp.ClientSession() as session:
+async def affinity_round_robin(plan: Plan, fleet: FleetFactory, tag: str) -> dict[str, Any]:
+    async with fleet(f"{tag}-rr") as hosts_up, aiohttp.ClientSession() as session:
         count = iter(range(10**9))
-        urls = [sim.url + CHAT for sim in sims]
+        urls = [f"http://{LOOPBACK}:{port}{CHAT}" for port in hosts_up.ports]
         turns = await drive(poster(session, lambda: urls[next(count) % len(urls)]), plan)
         result = shares(turns)
-        result["requests_per_host"] = [len(sim.stats.records) for sim in sims]
+        result["requests_per_host"] = await hosts_up.requests_per_host()
     return result
 
 
-SCENARIOS = {"host RAM cache (default)": 1 << 30, "slot cache only (cache_ram_tokens=0)": 0}
-
-
-async def run_affinity(plan: Plan, workdir: Path) -> dict[str, Any]:
+async def run_affinity(plan: Plan, workdir: Path, lab: Lab | None = None) -> dict[str, Any]:
+    """crossbar vs round-robin vs ideal on 3 fresh simulated or (`lab`) real hosts per method."""
     result: dict[str, Any] = {"conversations": plan.conversations, "turns": plan.turns,
-                              "in_flight": plan.in_flight, "hosts": 3, "slots_per_host": 2, "scenarios": {}}
-    for i, (name, ram) in enumerate(SCENARIOS.items()):
-        xb = await affinity_crossbar(plan, workdir, ram, str(i))
-        rr = await affinity_round_robin(plan, ram)
+                              "in_flight": plan.in_flight, "hosts": 3, "slots_per_host": 2,
+                              "upstream": "llama-server" if lab else "simulator", "scenarios": {}}
+    if lab is not None:
+        result["longest_prompt_tokens"], result["slot_ctx"] = real_slot_ctx(plan)
+    for i, scenario in enumerate(REAL_SCENARIOS if lab else SCENARIOS):
+        fleet = (sim_fleet(scenario) if lab is None
+                 else real_fleet(lab, scenario, workdir, result["slot_ctx"]))
+        xb = await affinity_crossbar(plan, workdir, fleet, str(i))
+        rr = await affinity_round_robin(plan, fleet, str(i))
         usage = xb["crossbar_usage"]
         xb["accounting_matches"] = (usage.get("prompt_tokens") == xb["prompt_tokens"]
                                     and usage.get("cached_tokens") == xb["cached_tokens"]
                                     and usage.get("requests") == xb["requests"])
-        result["scenarios"][name] = {"crossbar": xb, "round_robin": rr,
-                                     "crossbar_vs_ideal": ratio(xb["cached_share"], xb["ideal_share"]),
-                                     "round_robin_vs_ideal": ratio(rr["cached_share"], rr["ideal_share"])}
-    result["table"] = affinity_table(result["scenarios"], plan)
-    section("Affinity (share of prompt tokens served from cache)", result["table"])
+        result["scenarios"][scenario.name] = {
+            "targeted": scenario.targeted, "llama_args": list(scenario.llama_args),
+            "crossbar": xb, "round_robin": rr,
+            "crossbar_vs_ideal": ratio(xb["cached_share"], xb["ideal_share"]),
+            "round_robin_vs_ideal": ratio(rr["cached_share"], rr["ideal_share"])}
+    if lab is None:
+        result["table"] = affinity_table(result["scenarios"], plan)
+        section("Affinity (share of prompt tokens served from cache)", result["table"])
+    else:
+        result["llama_server_build"] = lab.build
+        result["table"] = affinity_table(result["scenarios"], plan, lab, result["slot_ctx"],
+                                         result["longest_prompt_tokens"])
+        section(f"Affinity, {lab.heading} (share of prompt tokens served from cache)", result["table"])
     return result
 
 
-def affinity_table(scenarios: dict[str, Any], plan: Plan) -> str:
+def affinity_table(scenarios: dict[str, Any], plan: Plan, lab: Lab | None = None, slot_ctx: int = 0,
+                   longest: int = 0) -> str:
     rows, checks = [], []
     for name, s in scenarios.items():
         xb, rr = s["crossbar"], s["round_robin"]
@@ -998,9 +1087,12 @@ def affinity_table(scenarios: dict[str, Any], plan: Plan) -> str:
                       + ("match" if xb["accounting_matches"] else "MISMATCH"))
     head = markdown(["scenario", "method", "requests", "prompt tokens", "cached tokens", "cached share",
                      "/ ideal", "requests per host"], rows)
+    hosts = ("3 hosts x 2 slots" if lab is None else
+             f"3 llama-servers (`tiny-a.gguf`, `-c {2 * slot_ctx} -np 2 -t 1`: {slot_ctx:,} tokens per slot, "
+             f"longest prompt {longest:,}), fresh for every method; cached tokens = `timings.cache_n`")
     return (f"{plan.conversations} conversations x {plan.turns} growing turns, {plan.in_flight} requests in "
-            "flight, 3 hosts x 2 slots. Ideal: every turn cached but its new tokens "
-            f"(target: crossbar >= {AFFINITY_TARGET} x ideal with the host RAM cache).\n\n"
+            f"flight, {AFFINITY_MAX_TOKENS} tokens per reply, {hosts}. Ideal: every turn cached but its new "
+            f"tokens (target: crossbar >= {AFFINITY_TARGET} x ideal with the host RAM cache).\n\n"
             + head + "\n\nAccounting cross-check:\n\n" + "\n".join(checks))
 
 
@@ -1009,13 +1101,15 @@ def affinity_table(scenarios: dict[str, Any], plan: Plan) -> str:
 
 def checks(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     out: list[tuple[str, str, str, bool | None]] = []
-    for size, r in results.get("overhead", {}).get("sizes", {}).items():
+    overhead = results.get("overhead", {})
+    measured = [("added_ttfb_p50", "added TTFB p50", TTFB_TARGET), ("added_ttfb_p99", "added TTFB p99", TTFB_TARGET)]
+    if overhead.get("upstream") != "llama-server":  # the real server stamps no events
+        measured += [("event_delay_p50", "event delay p50", EVENT_TARGET),
+                     ("event_delay_p99", "event delay p99", EVENT_TARGET)]
+    for size, r in overhead.get("sizes", {}).items():
         for ratios, baseline in (("ratios", "mitmdump"), ("ratios_buffered", "mitmdump-buffered")):
             rt = r[ratios]
-            for key, label, target in (("added_ttfb_p50", "added TTFB p50", TTFB_TARGET),
-                                       ("added_ttfb_p99", "added TTFB p99", TTFB_TARGET),
-                                       ("event_delay_p50", "event delay p50", EVENT_TARGET),
-                                       ("event_delay_p99", "event delay p99", EVENT_TARGET)):
+            for key, label, target in measured:
                 out.append((f"overhead {size}: {label}, crossbar / {baseline}", fmt(rt[key], 3),
                             f"<= {target}", None if math.isnan(rt[key]) else rt[key] <= target))
     for size, d in results.get("decision", {}).get("sizes", {}).items():
@@ -1024,7 +1118,7 @@ def checks(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
                         f"<= {DECISION_TARGET}", None if math.isnan(d[key]) else d[key] <= DECISION_TARGET))
     for name, s in results.get("affinity", {}).get("scenarios", {}).items():
         value = s["crossbar_vs_ideal"]
-        target = SCENARIOS[name] > 0
+        target = s["targeted"]
         out.append((f"affinity, {name}: crossbar / ideal", fmt(value, 3),
                     f">= {AFFINITY_TARGET}" if target else "(context)",
                     (value >= AFFINITY_TARGET) if target else None))
