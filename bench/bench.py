@@ -82,6 +82,10 @@ THINK_MAX_S = 0.03  # affinity: pause before each turn, uniform in [0, THINK_MAX
 AFFINITY_MAX_TOKENS = 8  # affinity: tokens generated per turn (the tiny real model never stops early)
 REAL_SIZES = {"4 KiB": 4 * KIB, "16 KiB": 16 * KIB}  # the tiny model reads one token per byte
 REAL_OVERHEAD_CTX = 65536  # -c of the overhead server: 2 slots x 32k tokens, room for 16 KiB bodies
+# flash attention (auto = on for CPU) makes each token ~5x slower at 16k tokens of context on this
+# model (16 KiB body: 290 ms vs 60 ms per reply); a shorter server time keeps its jitter from burying
+# the proxies' added milliseconds. Affinity keeps the server default.
+REAL_OVERHEAD_ARGS = ("-fa", "off")
 
 
 @dataclass(frozen=True)
@@ -116,8 +120,8 @@ class Lab:
 
     @classmethod
     def find(cls) -> Lab:
-        root = Path(os.environ.get("CROSSBAR_LLAMA_LAB")
-                    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crossbar-llama-lab")
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        root = Path(os.environ.get("CROSSBAR_LLAMA_LAB") or cache / "crossbar-llama-lab")
         lab = cls(root / "build" / "bin" / "llama-server", root / "models" / "tiny-a.gguf")
         for path in (lab.server, lab.model):
             if not path.is_file():
@@ -385,6 +389,9 @@ class Conn:
         self.port = port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        # llama-server closes the connection after every streamed reply (though it says keep-alive):
+        # once seen, each request opens a new connection, inside its TTFB, as a direct client must
+        self.closes_after_reply = False
 
     async def close(self) -> None:
         if self.writer is not None:
@@ -397,15 +404,25 @@ class Conn:
         return await asyncio.wait_for(self._post(path, body), timeout)
 
     async def _post(self, path: str, body: bytes) -> Streamed:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(LOOPBACK, self.port)
-        assert self.reader is not None
+        if self.closes_after_reply:
+            await self.close()
         head = (f"POST {path} HTTP/1.1\r\nHost: {LOOPBACK}:{self.port}\r\nContent-Type: application/json\r\n"
                 f"Accept: */*\r\nContent-Length: {len(body)}\r\n\r\n").encode()
         t0 = now_ns()
-        self.writer.write(head + body)
-        await self.writer.drain()
-        status, headers = await read_head(self.reader)
+        reused = self.writer is not None
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(LOOPBACK, self.port)
+        assert self.reader is not None and self.writer is not None
+        try:
+            self.writer.write(head + body)
+            await self.writer.drain()
+            status, headers = await read_head(self.reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            if not reused:
+                raise
+            await self.close()  # the server closed it after the last reply: again, on a new one
+            self.closes_after_reply = True
+            return await self._post(path, body)
         clock = SSEClock()
         first = 0
         async for chunk in body_chunks(self.reader, headers):
@@ -509,14 +526,21 @@ def chat_body_template(size: int, max_tokens: int, stream: bool = True) -> Calla
 
 
 async def overhead_size(targets: Sequence[Target], size: int, plan: Plan) -> dict[str, Cell]:
-    body = chat_body_template(size, plan.max_tokens)
+    template = chat_body_template(size, plan.max_tokens)
+    number = itertools.count()
+
+    def body() -> bytes:
+        # every request's own number, so each finds the same cached prefix: a real server would
+        # skip all prompt work for a target that repeats the previous target's body
+        return template(next(number))
+
     cells = {t.name: Cell() for t in targets}
-    for i in range(plan.overhead_warmup):
+    for _ in range(plan.overhead_warmup):
         for t in targets:
-            await t.conn.post_stream(t.path, body(i))
-    for i in range(plan.overhead_n):
+            await t.conn.post_stream(t.path, body())
+    for _ in range(plan.overhead_n):
         for t in targets:  # round-robin: drift hits every target alike
-            cells[t.name].add(await t.conn.post_stream(t.path, body(plan.overhead_warmup + i)), plan.token_ms)
+            cells[t.name].add(await t.conn.post_stream(t.path, body()), plan.token_ms)
     return cells
 
 
@@ -538,8 +562,8 @@ def overhead_rows(size_name: str, cells: dict[str, Cell], real: bool,
         per_event = ([fmt(v["span_p50_ms"]), fmt(v["span_p99_ms"]), added("added_span_p50_ms"),
                       added("added_span_p99_ms")] if real
                      else [fmt(v["event_delay_p50_ms"], 3), fmt(v["event_delay_p99_ms"], 3)])
-        rows.append([size_name, name, fmt(v["ttfb_p50_ms"]), fmt(v["ttfb_p99_ms"]), added("added_ttfb_p50_ms"),
-                     added("added_ttfb_p99_ms"), *per_event,
+        rows.append([size_name, name, fmt(v["ttfb_p50_ms"]), fmt(v["ttfb_p99_ms"]),
+                     added("added_ttfb_p50_ms"), added("added_ttfb_p99_ms"), *per_event,
                      str(v["n"]) + (f" ({v['errors']} err)" if v["errors"] else "")])
     x = s["crossbar"]
     for key, base in (("ratios", s["mitmdump"]), ("ratios_buffered", s["mitmdump-buffered"])):
@@ -570,7 +594,7 @@ async def run_overhead(plan: Plan, workdir: Path, lab: Lab | None = None) -> dic
         if lab is None:
             upstream = ("sim", sim_cmd(sim_port, plan.token_ms, plan.max_tokens))
         else:
-            upstream = ("llama-server", llama_cmd(lab, sim_port, REAL_OVERHEAD_CTX))
+            upstream = ("llama-server", llama_cmd(lab, sim_port, REAL_OVERHEAD_CTX, REAL_OVERHEAD_ARGS))
             result["llama_server_ctx"] = REAL_OVERHEAD_CTX
         await stack.enter_async_context(running(*upstream, workdir, sim_port, "/health"))
         if lab is not None:
@@ -606,9 +630,12 @@ def real_overhead_table(rows: list[list[str]], sizes: dict[str, Any], plan: Plan
                   for name, r in sizes.items()
                   for key, baseline in (("ratios", "mitmdump"), ("ratios_buffered", "mitmdump-buffered"))]
     ratios = markdown(["body", "baseline", "added TTFB p50 ratio", "added TTFB p99 ratio"], ratio_rows)
-    return (f"One llama-server (`tiny-a.gguf`, `-c {REAL_OVERHEAD_CTX} -np 2 -t 1`, {fmt(slot_ctx)} tokens "
-            f"per slot), `max_tokens` {plan.max_tokens}, streamed; each body is one conversation whose "
-            "last message counts up (the slot cache holds the rest). The real server stamps no events, "
+    flags = " ".join(("-c", str(REAL_OVERHEAD_CTX), "-np 2 -t 1", *REAL_OVERHEAD_ARGS))
+    return (f"One llama-server (`tiny-a.gguf`, `{flags}`, {fmt(slot_ctx)} tokens per slot), `max_tokens` "
+            f"{plan.max_tokens}, streamed; each body is one conversation whose last message counts up "
+            "(the slot cache holds the rest). llama-server closes the connection after every streamed "
+            "reply, so direct requests connect anew each time (inside their TTFB), as the proxies' "
+            "upstream connections do. The real server stamps no events, "
             "so per-event delay is not measured: `span` = first event -> `[DONE]` at the client, and "
             "`added span` = target - direct at the same percentile (what a path adds to the stream "
             "after its first byte).\n\n"
@@ -988,7 +1015,7 @@ def real_fleet(lab: Lab, scenario: Scenario, workdir: Path, slot_ctx: int) -> Fl
                 props = await llama_props(lab, port)
                 got = props.get("default_generation_settings", {}).get("n_ctx")
                 if got != slot_ctx:
-                    raise RuntimeError(f"llama-server on :{port} has {got} tokens per slot, wanted {slot_ctx}")
+                    raise RuntimeError(f"llama-server on :{port}: {got} tokens per slot, wanted {slot_ctx}")
             yield Fleet(ports, counts)
 
     return fleet
@@ -1102,7 +1129,8 @@ def affinity_table(scenarios: dict[str, Any], plan: Plan, lab: Lab | None = None
 def checks(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     out: list[tuple[str, str, str, bool | None]] = []
     overhead = results.get("overhead", {})
-    measured = [("added_ttfb_p50", "added TTFB p50", TTFB_TARGET), ("added_ttfb_p99", "added TTFB p99", TTFB_TARGET)]
+    measured = [("added_ttfb_p50", "added TTFB p50", TTFB_TARGET),
+                ("added_ttfb_p99", "added TTFB p99", TTFB_TARGET)]
     if overhead.get("upstream") != "llama-server":  # the real server stamps no events
         measured += [("event_delay_p50", "event delay p50", EVENT_TARGET),
                      ("event_delay_p99", "event delay p99", EVENT_TARGET)]
@@ -1145,12 +1173,16 @@ def environment(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
             "mitmproxy": mitmproxy_version.VERSION, "aiohttp": aiohttp.__version__,
             "git_commit": git("rev-parse", "--short", "HEAD"),
             "git_dirty": bool(git("status", "--porcelain")),
-            "quick": args.quick, "only": args.only, "plan": plan.__dict__}
+            "command": " ".join([".venv/bin/python bench/bench.py", *sys.argv[1:]]),
+            "quick": args.quick, "only": args.only, "real": args.real, "plan": plan.__dict__}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a ~20 s smoke run per section")
+    p.add_argument("--real", action="store_true",
+                   help="overhead and affinity against real llama-server processes ($CROSSBAR_LLAMA_LAB, "
+                        "default ~/.cache/crossbar-llama-lab) instead of the simulator")
     p.add_argument("--only", choices=("overhead", "decision", "affinity"), action="append",
                    help="run only this section (repeatable)")
     p.add_argument("--out", type=Path, help="JSON result file (default bench/results/bench-<time>.json)")
@@ -1168,21 +1200,30 @@ def json_safe(obj: Any) -> Any:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    plan = QUICK if args.quick else Plan()
-    wanted = args.only or ["overhead", "decision", "affinity"]
+    lab = Lab.find() if args.real else None
+    plans = (QUICK, Plan()) if lab is None else (REAL_QUICK, REAL)
+    plan = plans[0] if args.quick else plans[1]
+    # the decision cost is in-process and engine-independent: `--real` runs it only when asked
+    wanted = args.only or (["overhead", "affinity"] if lab else ["overhead", "decision", "affinity"])
     results: dict[str, Any] = {"environment": environment(plan, args)}
+    if lab is not None:
+        results["environment"]["llama_server"] = {"path": str(lab.server), "model": str(lab.model)}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crossbar-bench-") as tmp:
         workdir = Path(tmp)
         if "overhead" in wanted:
-            results["overhead"] = await run_overhead(plan, workdir)
+            results["overhead"] = await run_overhead(plan, workdir, lab)
         if "decision" in wanted:
             results["decision"] = await run_decision(plan, workdir, results.get("overhead"))
         if "affinity" in wanted:
-            results["affinity"] = await run_affinity(plan, workdir)
+            results["affinity"] = await run_affinity(plan, workdir, lab)
+    if lab is not None:
+        results["environment"]["llama_server"]["build"] = lab.build
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     results["summary"] = summary(results)
-    section(f"Summary (run took {results['elapsed_s']} s)", results["summary"])
+    against = f", {lab.heading}" if lab else ""
+    section(f"Summary{against} (run took {results['elapsed_s']} s)",
+            results["summary"], [f"\nCommand: `{results['environment']['command']}`"])
     return results
 
 
