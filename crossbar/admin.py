@@ -10,10 +10,10 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from crossbar import dashboard, errors
@@ -25,6 +25,8 @@ from crossbar.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from crossbar.request import match_route
 
 PREFIX = "/_crossbar"
+READ_FLUSH_TIMEOUT = 2.0  # a failing database must not hold the admin API longer than this
+T = TypeVar("T")
 JSON_TYPE = "application/json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -195,12 +197,18 @@ class Admin:
             limit = min(1000, max(1, int(_one(query, "limit", "50"))))
         except ValueError:
             raise errors.bad_request("'limit' must be a number") from None
-        rows = await asyncio.to_thread(self.router.store.lease_events, limit)
+        rows = await asyncio.to_thread(self._read, self.router.store.lease_events, limit)
         return [
             {"ts": rfc3339(e.ts), "route": e.route, "fp": e.fp, "model": e.model,
              "from": e.from_host or "", "to": e.to_host or "", "reason": e.reason}
             for e in rows
         ]
+
+    def _read(self, query: Callable[..., T], *args: Any) -> T:
+        """In a worker thread: let the writer commit what is queued (it batches for up to a quarter
+        second), so the API answers with every request that has finished, then query."""
+        self.router.store.flush(READ_FLUSH_TIMEOUT)
+        return query(*args)
 
     # ------------------------------------------------------------ usage
 
@@ -209,7 +217,7 @@ class Admin:
         if by not in USAGE_BY:
             raise errors.bad_request(f"'by' must be one of {', '.join(USAGE_BY)}, not {by!r}")
         since = parse_since(_one(query, "since", "24h"), time.time())
-        rows = await asyncio.to_thread(self._usage_rows, since, by)
+        rows = await asyncio.to_thread(self._read, self._usage_rows, since, by)
         if "text/plain" in accept:
             return Reply(200, usage_table(rows).encode(), {"Content-Type": "text/plain; charset=utf-8"})
         return json_reply(rows)

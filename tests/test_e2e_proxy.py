@@ -458,3 +458,18 @@ def test_a_bad_config_is_reported_in_one_clear_line(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "Traceback" not in output, output
     assert [line for line in output.splitlines() if "bogus_setting" in line] != []
+
+
+async def test_usage_answers_with_every_finished_request_without_waiting(tmp_path: Path) -> None:
+    """The store writer batches for up to a quarter second; the admin API still counts a request
+    that finished just before the question."""
+    async with sim_fleet({"a": HostSpec({"m": {}})}) as fleet:
+        cfg = single_host_config(tmp_path / "c.toml", fleet["a"].url)
+        async with crossbar_proxy(cfg) as proxy, aiohttp.ClientSession() as s:
+            for n in (1, 2, 3):
+                async with s.post(f"{proxy.url}/r/v1/chat/completions", json={"messages": USER}) as r:
+                    assert r.status == 200
+                    await r.read()
+                async with s.get(f"{proxy.url}/_crossbar/usage?by=route") as r:
+                    rows = await r.json()
+                assert [row["requests"] for row in rows] == [n]
