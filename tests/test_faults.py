@@ -17,8 +17,8 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -368,19 +368,6 @@ async def rows_land(proxy: Proxy, n: int) -> list[Any]:
     return await asyncio.to_thread(store.requests_since, 0)
 
 
-async def test_a_database_locked_by_another_process(tmp_path: Path) -> None:
-    async with fleet_and_proxy(tmp_path, names=("a",), poll_interval="60s") as (fleet, proxy):
-        db = Path(proxy.router.cfg.db)
-        await asyncio.to_thread(proxy.router.store.flush)
-        with exclusive_lock(db):
-            await serve_while_broken(proxy, 4)
-            await wait_until(lambda: proxy.router.store.errors > 0, timeout=20, what="a failed write")
-            assert await metric(proxy.url, "crossbar_store_errors_total") >= 1
-            assert completion_count(fleet["a"]) == 4
-        rows = await rows_land(proxy, 4)
-    assert sorted(r.status for r in rows) == [200] * 4
-
-
 @contextmanager
 def immutable(*paths: Path) -> Iterator[None]:
     """`chattr +i`: even root cannot write the files (SQLite answers "disk I/O error")."""
@@ -397,13 +384,24 @@ def immutable(*paths: Path) -> Iterator[None]:
             subprocess.run(["chattr", "-i", str(p)], check=False)
 
 
-@pytest.mark.skipif(shutil.which("chattr") is None, reason="needs chattr to make the database read-only")
-async def test_a_read_only_database(tmp_path: Path) -> None:
+def locked(db: Path) -> AbstractContextManager[None]:
+    return exclusive_lock(db)
+
+
+def read_only(db: Path) -> AbstractContextManager[None]:
+    if shutil.which("chattr") is None:
+        pytest.skip("needs chattr to make the database read-only")
+    # the -shm file stays writable: it is memory-mapped, and an immutable one is a SIGBUS
+    return immutable(db, db.with_name(db.name + "-wal"))
+
+
+@pytest.mark.parametrize("fault", [locked, read_only], ids=["locked-by-another-process", "read-only"])
+async def test_a_failing_database_never_stops_proxying(
+        tmp_path: Path, fault: Callable[[Path], AbstractContextManager[None]]) -> None:
     async with fleet_and_proxy(tmp_path, names=("a",), poll_interval="60s") as (fleet, proxy):
         db = Path(proxy.router.cfg.db)
         await asyncio.to_thread(proxy.router.store.flush)
-        # the -shm file stays writable: it is memory-mapped, and an immutable one is a SIGBUS
-        with immutable(db, db.with_name(db.name + "-wal")):
+        with fault(db):
             await serve_while_broken(proxy, 4)
             await wait_until(lambda: proxy.router.store.errors > 0, timeout=20, what="a failed write")
             assert await metric(proxy.url, "crossbar_store_errors_total") >= 1
