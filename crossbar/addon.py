@@ -16,8 +16,8 @@ import asyncio
 import logging
 import os
 import signal
-import time
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import aiohttp
 from mitmproxy import ctx, exceptions, http
@@ -56,10 +56,12 @@ class Crossbar:
         self.router: Router | None = None
         self.admin: Admin | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._gone: dict[str, asyncio.Event] = {}  # client connection id → set when it leaves
-        # client connection id → upstream addresses it holds open (mitmproxy reuses those)
-        self._upstreams: dict[str, set[tuple[str, int]]] = {}
-        self._current: dict[str, http.HTTPFlow] = {}  # client connection id → flow being forwarded
+        # Per client connection, weakly keyed so nothing outlives the connection: an event set
+        # when it leaves, the upstream addresses it holds open (mitmproxy reuses those), and the
+        # flow being forwarded on it.
+        self._gone: WeakKeyDictionary[Client, asyncio.Event] = WeakKeyDictionary()
+        self._upstreams: WeakKeyDictionary[Client, set[tuple[str, int]]] = WeakKeyDictionary()
+        self._current: WeakKeyDictionary[Client, http.HTTPFlow] = WeakKeyDictionary()
         self.listen_specs: list[str] = []
         self._roles: dict[str, tuple[str, str]] = {}  # listener spec → (role, route name)
         self.stopping = False
@@ -179,17 +181,18 @@ class Crossbar:
     # ------------------------------------------------------------ client tracking
 
     def client_connected(self, client: Client) -> None:
-        self._gone[client.id] = asyncio.Event()
+        self._gone[client] = asyncio.Event()
 
     def client_disconnected(self, client: Client) -> None:
-        self._upstreams.pop(client.id, None)
-        self._current.pop(client.id, None)
-        gone = self._gone.pop(client.id, None)
-        if gone:
-            gone.set()
+        self._upstreams.pop(client, None)
+        self._current.pop(client, None)
+        self._gone_event_of(client).set()  # stays set: a hook still awaiting sees the client left
+
+    def _gone_event_of(self, client: Client) -> asyncio.Event:
+        return self._gone.setdefault(client, asyncio.Event())
 
     def _gone_event(self, flow: http.HTTPFlow) -> asyncio.Event:
-        return self._gone.setdefault(flow.client_conn.id, asyncio.Event())
+        return self._gone_event_of(flow.client_conn)
 
     # ------------------------------------------------------------ request
 
@@ -215,14 +218,21 @@ class Crossbar:
                 await self.router.host_for_read(ex)
             await self.router.take_slot(ex, self._gone_event(flow))
             await self._reachable(flow, ex)
+            if self._gone_event(flow).is_set():
+                raise ClientGone
         except CrossbarError as exc:
             self._answer(flow, exc, ex)
             return
         except ClientGone:
             flow.kill()
             return
+        except Exception:  # a crossbar bug must not send the flow to the placeholder
+            log.exception("crossbar: request failed")
+            self._answer(flow, errors.CrossbarError(500, "server_error", "crossbar failed to route the "
+                                                    "request; see its log"), ex)
+            return
         self._forward(flow, ex)
-        self._current[flow.client_conn.id] = flow
+        self._current[flow.client_conn] = flow
         ex.deadline = asyncio.get_running_loop().call_later(
             self.router.cfg.first_byte_timeout, self._first_byte_overdue, flow
         )
@@ -288,6 +298,7 @@ class Crossbar:
         r.scheme = conf.scheme  # before host/port: it decides whether the port shows in Host
         r.host, r.port = conf.host, conf.port
         r.path = conf.base_path + ex.path
+        ex.forwarded = True
 
     def _answer(self, flow: http.HTTPFlow, exc: CrossbarError, ex: Exchange | None) -> None:
         flow.response = http.Response.make(exc.status, exc.body(), {**JSON_HEADERS, **exc.headers})
@@ -304,9 +315,15 @@ class Crossbar:
         if role != serves_admin or not is_admin_path(flow.request.path):
             self._answer(flow, errors.not_found(f"no such path here: {flow.request.path[:100]!r}"), None)
             return
-        reply = await self.admin.handle(
-            flow.request.method, flow.request.path, flow.request.headers, flow.request.raw_content or b""
-        )
+        try:
+            reply = await self.admin.handle(
+                flow.request.method, flow.request.path, flow.request.headers, flow.request.raw_content or b""
+            )
+        except Exception:  # e.g. the database cannot be read: a JSON 500, never a traceback page
+            log.exception("crossbar: admin request failed")
+            self._answer(flow, errors.CrossbarError(500, "server_error", "the admin API failed; see "
+                                                    "crossbar's log"), None)
+            return
         flow.response = http.Response.make(reply.status, reply.body, reply.headers)
         flow.metadata["crossbar.local"] = True
 
@@ -321,7 +338,7 @@ class Crossbar:
         cfg = self.router.cfg
         for _ in range(len(cfg.hosts)):
             conf = cfg.hosts[ex.host]
-            if (conf.host, conf.port) in self._upstreams.get(flow.client_conn.id, ()):
+            if (conf.host, conf.port) in self._upstreams.get(flow.client_conn, ()):
                 return
             why = await preflight(conf.host, conf.port, cfg.connect_timeout)
             if why is None:
@@ -338,7 +355,7 @@ class Crossbar:
         """A new upstream connection the request hook did not check: the kept-alive one it
         expected to reuse was closed meanwhile (a host that just died). Check it now and move
         the request if the host refuses; only a 502 is possible when nothing else is left."""
-        flow = self._current.get(data.client.id)
+        flow = self._current.get(data.client)
         ex: Exchange | None = flow.metadata.get(META) if flow else None
         if flow is None or ex is None or self.router is None or data.server.address is None:
             return
@@ -360,11 +377,11 @@ class Crossbar:
 
     def server_connected(self, data: ServerConnectionHookData) -> None:
         if data.server.address is not None:
-            self._upstreams.setdefault(data.client.id, set()).add(data.server.address)
+            self._upstreams.setdefault(data.client, set()).add(data.server.address)
 
     def server_disconnected(self, data: ServerConnectionHookData) -> None:
         if data.server.address is not None:
-            self._upstreams.get(data.client.id, set()).discard(data.server.address)
+            self._upstreams.get(data.client, set()).discard(data.server.address)
 
     # ------------------------------------------------------------ response
 
@@ -384,6 +401,11 @@ class Crossbar:
             ex.tap = SSETap()
             flow.response.stream = ex.tap
 
+    def _done_with(self, flow: http.HTTPFlow) -> None:
+        # the flow holds its client (the weak key) and its body: drop it as soon as it ends
+        if self._current.get(flow.client_conn) is flow:
+            del self._current[flow.client_conn]
+
     async def response(self, flow: http.HTTPFlow) -> None:
         ex: Exchange | None = flow.metadata.get(META)
         if ex is None or self.router is None:
@@ -399,36 +421,54 @@ class Crossbar:
                 ex.usage = usage_from_body(_content(flow.response))
             if ex.status >= 400 and not ex.err:
                 ex.err = f"upstream answered {ex.status}"
+        self._done_with(flow)
         self.router.finish(ex)
 
     async def _retry(self, flow: http.HTTPFlow, ex: Exchange) -> None:
         """A 5xx before anything reached the client: send the request once to another candidate.
-        mitmproxy cannot re-send a request, so crossbar does it and answers with the whole reply."""
+        mitmproxy cannot re-send a request, so crossbar does it and answers with the whole reply.
+        A client that leaves meanwhile cancels it (the engine stops, the slot is freed)."""
         assert self.router is not None and self._session is not None and flow.response is not None
         status = flow.response.status_code
-        if status in PASSIVE_DOWN_STATUSES:
+        marked = status in PASSIVE_DOWN_STATUSES
+        if marked:
             self.router.passive_mark(ex.host, f"answered {status}")
+        gone = self._gone_event(flow)
         try:
-            await self.router.move(ex, f"answered {status}", self._gone_event(flow))
+            # a 500 leaves the host healthy ("Context size has been exceeded."): not "unhealthy"
+            reason = "unhealthy" if marked else "retried"
+            await self.router.move(ex, f"answered {status}", gone, reason=reason)
         except (CrossbarError, ClientGone):
             ex.err = f"upstream answered {status}; no other host to retry on"
             return
         ex.retried = True
         conf = self.router.cfg.hosts[ex.host]
-        t0 = time.monotonic()
+        retry = asyncio.ensure_future(resend(
+            self._session, flow.request.method, conf.base_url + ex.path,
+            forward_headers(flow.request.headers.items()), flow.request.raw_content or b"",
+            self.router.cfg.connect_timeout, self.router.cfg.first_byte_timeout,
+        ))
+        left = asyncio.ensure_future(gone.wait())
         try:
-            new_status, headers, body = await resend(
-                self._session, flow.request.method, conf.base_url + ex.path,
-                forward_headers(flow.request.headers.items()), flow.request.raw_content or b"",
-                self.router.cfg.connect_timeout, self.router.cfg.first_byte_timeout,
-            )
+            await asyncio.wait({retry, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+        if not retry.done():
+            retry.cancel()
+            ex.err = "client left during the retry"
+            return
+        try:
+            new_status, headers, body = retry.result()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             self.router.passive_mark(ex.host, f"retry failed: {exc}")
             ex.err = f"retry on {ex.host} failed: {exc}"
             return
-        ex.ttfb_ms = (ex.ttfb_ms or 0) + int((time.monotonic() - t0) * 1000)
+        if new_status in PASSIVE_DOWN_STATUSES:
+            self.router.passive_mark(ex.host, f"answered {new_status}")
         fields = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        flow.response = http.Response.make(new_status, body, http.Headers(fields))
+        flow.response = http.Response.make(new_status, b"", http.Headers(fields))
+        flow.response.raw_content = body  # as received: never encoded a second time
+        flow.response.headers["Content-Length"] = str(len(body))
         flow.response.headers["X-Crossbar-Retried"] = "1"
         if ex.ctx_moved:
             flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
@@ -446,12 +486,13 @@ class Crossbar:
         ex.cancel_deadline()
         msg = flow.error.msg if flow.error else "error"
         ex.err = ex.err or msg
-        if flow.response is None and ex.ttfb_ms is None and _is_connect_failure(msg) and ex.host:
+        if flow.response is None and ex.ttfb_ms is None and ex.forwarded and _is_connect_failure(msg):
             self.router.passive_mark(ex.host, msg)
         if ex.tap is not None:
             ex.usage = ex.tap.usage
         if flow.response is not None and ex.status is None:
             ex.status = flow.response.status_code
+        self._done_with(flow)
         self.router.finish(ex)
 
 

@@ -54,7 +54,7 @@ class Router:
         self.store.open()
         self.leases.load(self.store.load_leases())
         for name, route in self.cfg.routes.items():
-            if route.pin and not route.is_template and self.leases.pinned(name) != route.pin:
+            if route.pin and self.leases.pinned(name) != route.pin:
                 self.leases.pin(name, route.pin, route.hosts, time.time())
         self.store.start()
         log.info("crossbar: %d leases loaded from %s", self.leases.count(), self.cfg.db)
@@ -219,7 +219,8 @@ class Router:
             self.limiter.release(ex.ticket)
             ex.ticket = None
 
-    async def move(self, ex: Exchange, reason: str, gone: asyncio.Event | None) -> None:
+    async def move(self, ex: Exchange, why: str, gone: asyncio.Event | None, reason: str = "unhealthy",
+                   ) -> None:
         """The leased host failed before anything reached the client: lease elsewhere (the lease
         moves with it). Raises the client's answer (`CrossbarError`) when there is nowhere to go,
         e.g. a pinned route whose host is down."""
@@ -228,13 +229,13 @@ class Router:
         self.free_slot(ex)
         try:
             if ex.completion:
-                await self.lease(ex, exclude=ex.excluded)
+                await self.lease(ex, exclude=ex.excluded, reason=reason)
             else:
                 await self.host_for_read(ex, exclude=ex.excluded)
         except errors.CrossbarError:
             ex.host = failed
             raise
-        log.warning("%s on %s: moving %s/%s to %s", reason, failed, ex.key.route, ex.model, ex.host)
+        log.warning("%s on %s: moving %s/%s to %s", why, failed, ex.key.route, ex.model, ex.host)
         await self.take_slot(ex, gone)
         ex.decision = "retried"
 

@@ -538,7 +538,9 @@ def _route_default_model(value: object, key: str, hosts: tuple[str, ...], ctx: _
     return model
 
 
-def _route_pin(value: object, key: str, hosts: tuple[str, ...]) -> str:
+def _route_pin(value: object, key: str, hosts: tuple[str, ...], is_template: bool) -> str:
+    if is_template:  # each concrete route of a template is its own route: pin those (admin API)
+        raise _fail(key, "not allowed on a template route; pin its concrete routes with the admin API")
     pin = _str(value, key)
     if pin and pin not in hosts:
         raise _fail(key, f"{pin!r} is not one of the route's hosts ({', '.join(hosts)})")
@@ -576,7 +578,7 @@ def _parse_route(name: str, value: object, ctx: _RouteContext) -> RouteConf:
     hosts = _route_hosts(table, key, ctx)
     parsers: dict[str, Callable[[object, str], Any]] = {
         "default_model": lambda v, k: _route_default_model(v, k, hosts, ctx),
-        "pin": lambda v, k: _route_pin(v, k, hosts),
+        "pin": lambda v, k: _route_pin(v, k, hosts, "*" in name),
         "listen": lambda v, k: _route_listen(v, k, "*" in name, ctx),
         "affinity": lambda v, k: _choice(v, k, AFFINITIES),
         "queue": _bool,

@@ -37,6 +37,7 @@ class Exchange:
     retried: bool = False
     excluded: set[str] = field(default_factory=set)  # hosts that failed this request
     checked: tuple[str, int] | None = None  # upstream address the pre-flight just found open
+    forwarded: bool = False  # rewritten to a host (else mitmproxy's errors are not the host's)
     finished: bool = False
     deadline: asyncio.TimerHandle | None = None  # first-byte timeout
 

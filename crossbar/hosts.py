@@ -65,6 +65,7 @@ class HostState:
     last_ok: float | None = None
     last_err: str = ""
     good_polls: int = 0
+    marked_at: float = 0.0  # last passive mark: a poll that started before it proves nothing
 
 
 # ---------------------------------------------------------------- parsing (pure)
@@ -178,13 +179,18 @@ class Fleet:
         st.healthy = False
         st.good_polls = 0
         st.last_err = reason
+        st.marked_at = self.clock()
         if was:
             log.warning("host %s marked unhealthy: %s", host, reason)
         return was
 
-    def apply(self, host: str, res: PollResult) -> bool:
-        """Apply one poll; returns True when the host's health changed."""
+    def apply(self, host: str, res: PollResult, started: float | None = None) -> bool:
+        """Apply one poll (begun at `started`); returns True when the host's health changed.
+        A good poll that began before the host's last passive mark is ignored: it may have seen
+        the host just before it failed."""
         st = self.state[host]
+        if res.ok and started is not None and started < st.marked_at:
+            return False
         was = st.healthy
         if not res.ok:
             st.healthy, st.good_polls, st.last_err = False, 0, res.error
@@ -306,19 +312,21 @@ class Poller:
     async def poll_once(self) -> None:
         names: Sequence[str] = list(self.fleet.conf)
         session = self._client()
+        started = self.fleet.clock()
         results = await asyncio.gather(*(poll_host(session, self.fleet.conf[n]) for n in names))
         for name, res in zip(names, results, strict=True):
-            self._apply(name, res)
+            self._apply(name, res, started)
         self.rounds += 1
         if self.on_round:
             self.on_round()
 
     async def poll_one(self, name: str) -> None:
         """Poll one host now (a host being woken up), outside the regular rounds."""
-        self._apply(name, await poll_host(self._client(), self.fleet.conf[name]))
+        started = self.fleet.clock()
+        self._apply(name, await poll_host(self._client(), self.fleet.conf[name]), started)
 
-    def _apply(self, name: str, res: PollResult) -> None:
-        changed = self.fleet.apply(name, res)
+    def _apply(self, name: str, res: PollResult, started: float) -> None:
+        changed = self.fleet.apply(name, res, started)
         if self.on_result:
             self.on_result(name, res, changed)
 

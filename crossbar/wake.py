@@ -74,10 +74,10 @@ class Waker:
         wake = self.hosts[name].wake
         assert wake is not None
         try:
-            self.send(wake)
+            await asyncio.to_thread(self.send, wake)  # a broadcast host name resolves off the loop
             self.sent += 1
             log.warning("sent wake-on-LAN packet to %s (%s via %s)", name, wake.mac, wake.broadcast)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             log.warning("could not send wake-on-LAN packet to %s: %s", name, exc)
             return False
         deadline = self.clock() + wake.wait

@@ -519,6 +519,7 @@ BAD = [
         also=((p("routes.a.listen"), "[::1]:17801"),),
     ),
     bad("routes.t-*.listen", "127.0.0.1:17801", "not allowed on a template route", key='routes."t-*".listen'),
+    bad("routes.t-*.pin", "alpha", "not allowed on a template route", key='routes."t-*".pin'),
     bad("routes.a.listen", "17801", "not a host:port"),
     bad("routes.a.affinity", "sticky", "must be one of 'conversation', 'route'"),
     bad("routes.a.queue", "no", "expected boolean, got string"),

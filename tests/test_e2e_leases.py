@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from contextlib import AsyncExitStack
@@ -257,10 +258,29 @@ async def test_failover_on_a_5xx_answers_once_from_the_other_host(
         rec = fleet["b"].stats.records[-1]
         assert (row.prompt_tokens, row.completion_tokens) == (rec.prompt_tokens, rec.completion_tokens)
         assert set((await leases_of(proxy)).values()) == {"b"}
-        moves = [(e.from_host, e.to_host) for e in await lease_event_rows(proxy) if e.from_host]
-        assert moves == [("a", "b")]
-        # 502/503 mark the host down at once; a 500 alone does not (a full KV answers 500)
+        moves = [(e.from_host, e.to_host, e.reason) for e in await lease_event_rows(proxy) if e.from_host]
+        # 502/503 mark the host down at once; a 500 alone does not (a full KV answers 500), and
+        # its move is recorded as a retry, not as an unhealthy host
+        assert moves == [("a", "b", "retried" if status == 500 else "unhealthy")]
         assert (await host_view(proxy, "a"))["healthy"] is (status == 500)
+
+
+async def test_a_client_that_leaves_during_a_5xx_retry_stops_the_retry(tmp_path: Path) -> None:
+    specs = {"a": host(weight=2, fail_status=500, fail_times=1),
+             "b": host(weight=1, token_ms=40, default_max_tokens=500)}
+    async with setup(tmp_path, specs, poll_interval="60s") as (fleet, proxy):
+        body = {"messages": conversation("leaves", 1)[0], "stream": True}
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(s.post(proxy.url + CHAT, json=body))
+            await wait_until(lambda: fleet["b"].stats.inflight.get("m", 0) == 1, what="the retry on b")
+            task.cancel()  # the client gives up while b generates the retried answer
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await wait_until(lambda: fleet["b"].stats.aborted == 1, timeout=10, what="b stops generating")
+        await wait_until(lambda: proxy.router.limiter.in_flight("b", "m") == 0, what="the slot freed")
+        row = await last_row(proxy)
+        assert row.host == "b" and row.err and "client" in row.err
+        assert not proxy.addon._current  # nothing kept for a connection that is gone
 
 
 # ---------------------------------------------------------------- 8. pin, release, drain

@@ -184,3 +184,31 @@ async def test_admin_is_answered_without_an_upstream(tmp_path: Path) -> None:
         assert META not in f.metadata
         await r.addon.response(f)  # later hooks leave an admin answer alone
         assert await r.rows() == []
+
+
+async def test_a_bug_in_routing_is_a_json_500_not_a_flow_to_the_placeholder(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        async def broken(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError("a bug")
+
+        r.router.guard = broken  # type: ignore[method-assign]
+        f = make_flow("/r/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        await r.addon.request(f)
+        assert f.response is not None and f.response.status_code == 500
+        assert json.loads(f.response.content)["error"]["type"] == "server_error"
+        assert f.request.host == "placeholder"  # never rewritten
+        r.addon.error(f)  # what mitmproxy would report for a flow it could not send
+        assert r.router.fleet.healthy("a")  # the host is not blamed for crossbar's bug
+        assert r.router.limiter.in_flight("a", "m") == 0
+
+
+async def test_admin_failure_is_a_json_500(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        def broken(*args: Any) -> None:
+            raise RuntimeError("database gone")
+
+        r.router.store.usage = broken  # type: ignore[method-assign]
+        f = make_flow("/_crossbar/usage", method="GET")
+        await r.addon.request(f)
+        assert f.response is not None and f.response.status_code == 500
+        assert json.loads(f.response.content)["error"]["code"] == 500

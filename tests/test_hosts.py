@@ -110,6 +110,19 @@ def test_passive_mark_then_recovery() -> None:
     assert fleet.state["a"].last_ok == 100.0
 
 
+def test_a_poll_that_began_before_a_passive_mark_does_not_count() -> None:
+    now = [100.0]
+    fleet = Fleet({"a": host_conf("a")}, clock=lambda: now[0])
+    fleet.apply("a", GOOD, started=99.0)
+    now[0] = 101.0
+    fleet.mark_down("a", "connect refused")  # while the next round is in flight
+    fleet.apply("a", GOOD, started=100.5)  # began before the mark: it may have seen the host alive
+    fleet.apply("a", GOOD, started=102.0)
+    assert not fleet.healthy("a")  # one good poll since the mark is not enough
+    fleet.apply("a", GOOD, started=103.0)
+    assert fleet.healthy("a")
+
+
 @pytest.mark.parametrize(("conf", "state", "capacity"), [
     (ModelConf(parallel=4), PollResult(ok=True, slots=2), 4),  # config wins
     (ModelConf(), PollResult(ok=True, slots=3), 3),  # learned from a single server's /props
