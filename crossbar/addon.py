@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -171,12 +172,11 @@ class Crossbar:
             log.warning("crossbar: second signal, exiting without waiting")
             os._exit(1)
 
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers belong to the main thread (an in-process test master is not)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                loop.add_signal_handler(sig, now)
-            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests)
-                return
+            loop.add_signal_handler(sig, now)
 
     # ------------------------------------------------------------ client tracking
 
