@@ -60,7 +60,7 @@ from crossbar.app import Router
 from crossbar.config import Config, parse_config
 from crossbar.exchange import Exchange
 from crossbar.lease import Key
-from crossbar.sim import SimConfig, SimServer
+from llamasim import SimConfig, SimServer
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

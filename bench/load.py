@@ -3,7 +3,7 @@
     .venv/bin/python bench/load.py [--seconds 30] [--sessions 64] [--hosts 3]
 
 Loopback only, bounded in time and size. It starts `--hosts` simulated llama-servers
-(`python -m crossbar.sim`, one process each) and crossbar exactly as `run.sh` runs it
+(`python -m llamasim`, one process each) and crossbar exactly as `run.sh` runs it
 (`mitmdump -s addons/crossbar.py --set crossbar_config=… --set server=false`), then runs
 `--sessions` conversations at once, each sending its turns one after another (streamed, half of
 them asking for usage), for `--seconds`. Alongside, one probe session alternates the same kind of
@@ -151,7 +151,7 @@ async def probe_loop(http: aiohttp.ClientSession, base: str, direct: str, stop: 
 
 def start_sim(port: int, slots: int, token_ms: float) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "crossbar.sim", "--port", str(port), "--model", MODEL, "--slots", str(slots),
+        [sys.executable, "-m", "llamasim", "--port", str(port), "--model", MODEL, "--slots", str(slots),
          "--token-ms", str(token_ms), "--max-tokens", "8", "--ctx", str(slots * 8192)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )

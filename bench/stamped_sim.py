@@ -1,5 +1,5 @@
-"""`python bench/stamped_sim.py [crossbar.sim options]`: the simulated llama-server of
-`crossbar.sim`, unchanged except that every JSON SSE event carries one extra field,
+"""`python bench/stamped_sim.py [llamasim options]`: the simulated llama-server of
+`llamasim`, unchanged except that every JSON SSE event carries one extra field,
 `"bench_ns"`: `time.monotonic_ns()` taken just before the event is written to the socket.
 
 CLOCK_MONOTONIC is shared by all processes on a Linux machine, so the load generator can
@@ -17,7 +17,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from crossbar import sim
+from llamasim import server as sim
 
 _plain_send = sim.StreamSink.send
 

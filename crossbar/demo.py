@@ -17,7 +17,7 @@ import time
 import urllib.request
 
 from crossbar.config import Config, ConfigError, HostConf, load_config
-from crossbar.sim import SimConfig, SimServer
+from llamasim import SimConfig, SimServer
 
 
 def sim_config(host: HostConf) -> SimConfig:

@@ -13,7 +13,7 @@ import aiohttp
 from harness import HostSpec
 from prometheus_client.parser import text_string_to_metric_families
 
-from crossbar.sim import SimConfig
+from llamasim import SimConfig
 
 CHAT = "/v1/chat/completions"
 

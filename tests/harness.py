@@ -20,7 +20,7 @@ from mitmproxy import options
 from mitmproxy.tools.dump import DumpMaster
 
 from crossbar.addon import Crossbar
-from crossbar.sim import SimConfig, SimServer
+from llamasim import SimConfig, SimServer
 
 ROOT = Path(__file__).resolve().parent.parent
 MITMDUMP = str(Path(sys.executable).with_name("mitmdump"))

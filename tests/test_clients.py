@@ -32,7 +32,7 @@ from harness import (
     write_config,
 )
 
-from crossbar.sim import SimConfig, SimServer
+from llamasim import SimConfig, SimServer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "clients"
 MODEL = "ornith-1.5-35b-a3b"

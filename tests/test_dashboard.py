@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from harness import HostSpec, Proxy, conversation, crossbar_proxy, sim_fleet, write_config
 
-from crossbar.sim import SimConfig
+from llamasim import SimConfig
 
 XSS_MODEL = '<img src=x id="xss" onerror="document.title=1">'
 HOSTS = {"alpha-box": "m", "beta-box": "m", "gamma-box": XSS_MODEL}

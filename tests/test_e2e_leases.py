@@ -28,7 +28,7 @@ from harness import (
     write_config,
 )
 
-from crossbar.sim import SimConfig
+from llamasim import SimConfig
 
 CHAT = "/r/v1/chat/completions"
 Messages = list[dict[str, str]]

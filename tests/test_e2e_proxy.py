@@ -39,7 +39,7 @@ from harness import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from crossbar.sim import SimConfig, SimServer
+from llamasim import SimConfig, SimServer
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]

@@ -30,7 +30,7 @@ from harness import (
     write_config,
 )
 
-from crossbar.sim import SimConfig
+from llamasim import SimConfig
 
 
 async def post_json(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,

@@ -40,7 +40,7 @@ from harness import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from crossbar.sim import SimConfig
+from llamasim import SimConfig
 
 CHAT = "/v1/chat/completions"
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]

@@ -28,7 +28,7 @@ from harness import (
     write_config,
 )
 
-from crossbar.sim import SimConfig, SimServer
+from llamasim import SimConfig, SimServer
 
 CHAT = "/r/v1/chat/completions"
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a long answer, please"}]

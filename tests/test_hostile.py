@@ -36,7 +36,7 @@ from harness import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crossbar.sim import SimConfig, SimServer
+from llamasim import SimConfig, SimServer
 
 CHAT = "/r/v1/chat/completions"
 GOOD = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}'

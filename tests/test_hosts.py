@@ -11,7 +11,7 @@ from samples_util import SAMPLES, load
 
 from crossbar.config import HostConf, ModelConf
 from crossbar.hosts import Fleet, ModelCtx, Poller, PollResult, parse_free_slots, parse_models, parse_props
-from crossbar.sim import SimConfig, SimServer
+from llamasim import SimConfig, SimServer
 
 needs_samples = pytest.mark.skipif(not SAMPLES.is_dir(), reason="llama-lab samples not available")
 

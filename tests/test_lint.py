@@ -14,6 +14,6 @@ def test_ruff_clean() -> None:
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent))
     if ruff is None:
         pytest.skip("ruff is not installed in this environment")
-    result = subprocess.run([ruff, "check", "crossbar", "addons", "tests", "bench"], cwd=ROOT,
+    result = subprocess.run([ruff, "check", "crossbar", "llamasim", "addons", "tests", "bench"], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from samples_util import sse_events
 
-from crossbar.sim import PromptCache, SimConfig, SimServer, chat_prompt, common_prefix
+from llamasim import PromptCache, SimConfig, SimServer, chat_prompt, common_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -272,7 +272,7 @@ async def test_embeddings_shape(http: aiohttp.ClientSession) -> None:
 
 def test_cli_starts_and_stops() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "crossbar.sim", "--port", "0", "--model", "m"],
+    proc = subprocess.Popen([sys.executable, "-m", "llamasim", "--port", "0", "--model", "m"],
                             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         assert proc.stdout is not None

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from samples_util import SAMPLES, load, metric_names, shape_diff, sse_events
 
-from crossbar.sim import SimConfig, SimServer
+from llamasim import SimConfig, SimServer
 
 pytestmark = pytest.mark.skipif(not SAMPLES.is_dir(), reason=f"llama-lab samples not found at {SAMPLES}")
 

@@ -1357,7 +1357,7 @@ def embed(text: str) -> list[float]:
 # ---------------------------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m crossbar.sim", description="simulated llama-server")
+    p = argparse.ArgumentParser(prog="python -m llamasim", description="simulated llama-server")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=18081)
     p.add_argument("--model", action="append", required=True, help="model id (repeat in router mode)")

@@ -1,0 +1,3 @@
+from llamasim.server import main
+
+main()
