@@ -1,0 +1,318 @@
+"""Placement under uneven load: strict session-hash stickiness vs crossbar's policy, one run.
+
+    .venv/bin/python bench/yield_bench.py [--seed 7] [--factors 1,1.5,2,3] [--seeds 20] [--out FILE.json]
+
+The same sessions run on a time-modelled fleet (`llamasim.timed`: 3 hosts x 1 slot, prefill
+20k tok/s, generation 1k tok/s, a host prompt cache, on a virtual clock, so the run is
+deterministic and takes a second) through two placements:
+
+- strict: every turn of a session goes to the host its session hash names;
+- crossbar: a new session goes where `crossbar.choose` ranks best by the work hosts hold, and a
+  turn that would wait on its host asks `crossbar.yieldpolicy.decide` whether to move; the rates
+  it uses are learned by `crossbar.learn.RateLearner` from the hosts' `timings`, the busy time by
+  `crossbar.learn.BusyMeter`, exactly the facts crossbar's router has.
+
+Two loads: even (12 sessions, short replies) and skewed (8 sessions, 2 of which generate 4-6k
+tokens every turn). Reported per load: p50/p95/max/mean turn latency (arrival to last token),
+cached share of prompt tokens, moves, and the ratios against strict with their targets.
+`--factors` also runs crossbar at other yield factors (0 = yield off) to show how the default
+was chosen; `--seeds N` repeats both loads over N session sets and reports how often the
+targets hold. Targets are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from crossbar.choose import Candidate, choose
+from crossbar.learn import BusyMeter, RateLearner
+from crossbar.yieldpolicy import DEFAULT_FACTOR, HostLoad, Move, Running, decide
+from llamasim.timed import TimedHost, TimedRequest, TimeModel, VirtualClock
+
+MODEL = "m"
+HOSTS = ("h1", "h2", "h3")
+FLEET = TimeModel(prefill_tps=20_000.0, gen_tps=1_000.0, slots=1)
+TURNS = 8
+ACTIVE_WINDOW_S = 600.0  # a lease used this recently counts as held work
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    added_tokens: int  # the user message / tool output this turn appends to the context
+    reply_tokens: int
+    think_s: float  # client time between the previous reply and this turn
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    name: str
+    start_s: float
+    context_tokens: int  # prompt of the first turn
+    turns: tuple[Turn, ...]
+
+
+def make_sessions(rng: random.Random, count: int, long_generators: int) -> list[Session]:
+    sessions = []
+    for i in range(count):
+        long = i < long_generators
+        turns = tuple(
+            Turn(rng.randint(300, 2_500), rng.randint(4_000, 6_000) if long else rng.randint(100, 700),
+                 rng.uniform(0.5, 3.0))
+            for _ in range(TURNS)
+        )
+        sessions.append(Session(f"s{i:02d}-{rng.getrandbits(32):08x}", rng.uniform(0.0, 2.0),
+                                rng.randint(20_000, 40_000), turns))
+    return sessions
+
+
+class Strict:
+    """Session-hash stickiness: the host is a function of the session alone."""
+
+    name = "strict"
+
+    def __init__(self, hosts: dict[str, TimedHost]) -> None:
+        self.names = sorted(hosts)
+        self.moves = 0
+
+    def place(self, session: str, prompt_tokens: int, now: float) -> str:
+        digest = int.from_bytes(hashlib.sha256(session.encode()).digest()[:8], "big")
+        return self.names[digest % len(self.names)]
+
+    def started(self, request: TimedRequest, host: str) -> None:
+        return None
+
+    def finished(self, request: TimedRequest, host: str) -> None:
+        return None
+
+
+@dataclass
+class Lease:
+    host: str
+    used: float
+    seen: dict[str, int] = field(default_factory=dict)  # host -> tokens of the session it served
+
+
+class CrossbarPolicy:
+    """crossbar's placement, fed only with what its router can know."""
+
+    def __init__(self, hosts: dict[str, TimedHost], clock: Callable[[], float], factor: float) -> None:
+        self.name = f"crossbar (factor {factor:g})"
+        self.hosts = hosts
+        self.clock = clock
+        self.factor = factor
+        self.learner = RateLearner(clock)
+        self.meter = BusyMeter(clock)
+        self.leases: dict[str, Lease] = {}
+        self.moves = 0
+
+    def place(self, session: str, prompt_tokens: int, now: float) -> str:
+        lease = self.leases.get(session)
+        if lease is None:
+            choice = choose(self._candidates(now))
+            assert choice is not None
+            lease = self.leases[session] = Lease(choice.host, now)
+        elif self._would_wait(lease.host):
+            home = self._load(lease.host, lease, now)
+            others = [self._load(h, lease, now) for h in self.hosts if h != lease.host]
+            verdict = decide(prompt_tokens, home, others, self.factor)
+            if isinstance(verdict, Move):
+                lease.host = verdict.host
+                self.moves += 1
+        lease.used = now
+        return lease.host
+
+    def _would_wait(self, host: str) -> bool:
+        h = self.hosts[host]
+        return len(h.running) + len(h.waiting) >= h.model.slots
+
+    def _candidates(self, now: float) -> list[Candidate]:
+        held = {h: 0 for h in self.hosts}
+        for lease in self.leases.values():
+            if now - lease.used <= ACTIVE_WINDOW_S:
+                held[lease.host] += 1
+        return [
+            Candidate(name, True, False, True, True, h.model.slots - len(h.running), 1.0, len(h.waiting), i,
+                      slots=h.model.slots, in_flight=len(h.running), active_leases=held[name],
+                      recent_busy=self.meter.busy(name))
+            for i, (name, h) in enumerate(self.hosts.items())
+        ]
+
+    def _load(self, name: str, lease: Lease, now: float) -> HostLoad:
+        h = self.hosts[name]
+        rates = self.learner.rates(name, MODEL)
+        running = tuple(Running(now - r.started, self.learner.reply_tokens(name, MODEL, r.conversation),
+                                rates.prefill_tokens) for r in h.running)
+        return HostLoad(name, h.model.slots, rates, running, len(h.waiting), lease.seen.get(name, 0))
+
+    def started(self, request: TimedRequest, host: str) -> None:
+        self.meter.start(host)
+
+    def finished(self, request: TimedRequest, host: str) -> None:
+        self.meter.end(host)
+        self.learner.observe(host, MODEL, self.hosts[host].timings(request), request.conversation)
+        self.leases[request.conversation].seen[host] = request.prompt_tokens + request.reply_tokens
+
+
+@dataclass
+class Result:
+    policy: str
+    latencies: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    moves: int = 0
+    busy_s: dict[str, float] = field(default_factory=dict)
+    span_s: float = 0.0
+
+    def summary(self) -> dict[str, float]:
+        ordered = sorted(self.latencies)
+        return {
+            "p50": pct(ordered, 0.50), "p95": pct(ordered, 0.95), "max": ordered[-1],
+            "mean": statistics.fmean(ordered), "cached": self.cached_tokens / self.prompt_tokens,
+            "moves": self.moves, "turns": len(ordered),
+        }
+
+
+def pct(ordered: list[float], q: float) -> float:
+    """Nearest-rank percentile of sorted values."""
+    rank = max(1, -(-len(ordered) * q // 1))
+    return ordered[int(rank) - 1]
+
+
+def run(sessions: list[Session], make_policy: Callable[[dict[str, TimedHost], VirtualClock], Any]) -> Result:
+    clock = VirtualClock()
+    hosts = {name: TimedHost(name, clock, FLEET) for name in HOSTS}
+    policy = make_policy(hosts, clock)
+    result = Result(policy.name)
+
+    def turn(session: Session, index: int, context: int) -> None:
+        arrived = clock.now
+        spec = session.turns[index]
+        prompt = context + spec.added_tokens
+        host = policy.place(session.name, prompt, arrived)
+
+        def done(request: TimedRequest) -> None:
+            policy.finished(request, host)
+            result.latencies.append(request.finished - arrived)
+            result.prompt_tokens += request.prompt_tokens
+            result.cached_tokens += request.cache_n
+            if index + 1 < len(session.turns):
+                think = session.turns[index + 1].think_s
+                clock.at(clock.now + think, lambda: turn(session, index + 1, prompt + spec.reply_tokens))
+
+        hosts[host].submit(TimedRequest(session.name, prompt, spec.reply_tokens,
+                                        on_start=lambda r: policy.started(r, host), on_done=done))
+
+    for s in sessions:
+        clock.at(s.start_s, lambda s=s: turn(s, 0, s.context_tokens))
+    clock.run()
+    result.moves = policy.moves
+    result.busy_s = {name: round(h.busy_s, 1) for name, h in hosts.items()}
+    result.span_s = clock.now
+    return result
+
+
+def strict_policy(hosts: dict[str, TimedHost], clock: VirtualClock) -> Strict:
+    return Strict(hosts)
+
+
+def crossbar_policy(factor: float) -> Callable[[dict[str, TimedHost], VirtualClock], CrossbarPolicy]:
+    return lambda hosts, clock: CrossbarPolicy(hosts, lambda: clock.now, factor)
+
+
+LOADS = {"even": (12, 0), "skewed": (8, 2)}
+TARGETS = {  # (metric, ratio limit, higher is better)
+    "even": [("p95", 1.05, False), ("cached", 0.98, True)],
+    "skewed": [("p95", 0.95, False), ("mean", 1.05, False), ("cached", 0.95, True)],
+}
+
+
+def ratios(strict: dict[str, float], ours: dict[str, float]) -> dict[str, float]:
+    return {k: ours[k] / strict[k] for k in ("p50", "p95", "max", "mean", "cached")}
+
+
+def met(load: str, ratio: dict[str, float]) -> bool:
+    return all((ratio[m] >= limit) if higher else (ratio[m] <= limit) for m, limit, higher in TARGETS[load])
+
+
+def compare(seed: int, factors: list[float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for load, (count, long_generators) in LOADS.items():
+        sessions = make_sessions(random.Random(f"{seed}-{load}"), count, long_generators)
+        strict = run(sessions, strict_policy)
+        rows = [strict] + [run(sessions, crossbar_policy(f)) for f in factors]
+        base = strict.summary()
+        out[load] = [{"policy": r.policy, **r.summary(), "busy_s": r.busy_s, "span_s": round(r.span_s, 1),
+                      "ratio": ratios(base, r.summary())} for r in rows]
+    return out
+
+
+def print_tables(report: dict[str, Any]) -> None:
+    for load, rows in report.items():
+        print(f"\n{load} load ({LOADS[load][0]} sessions x {TURNS} turns, {LOADS[load][1]} long generators)")
+        print("| policy | p50 s | p95 s | max s | mean s | cached | moves | busy s per host |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            busy = " / ".join(f"{v:g}" for v in r["busy_s"].values())
+            print(f"| {r['policy']} | {r['p50']:.2f} | {r['p95']:.2f} | {r['max']:.2f} | {r['mean']:.2f} "
+                  f"| {r['cached']:.3f} | {r['moves']} | {busy} |")
+        for r in rows[1:]:
+            q = r["ratio"]
+            verdict = "PASS" if met(load, q) else "MISS"
+            print(f"{r['policy']} / strict: p95 {q['p95']:.2f}, mean {q['mean']:.2f}, max {q['max']:.2f}, "
+                  f"cached {q['cached']:.3f} -> {verdict}")
+
+
+def sweep(seeds: int, factors: list[float]) -> dict[str, Any]:
+    """How often each factor meets the targets over many session sets, and its median ratios."""
+    tally: dict[str, Any] = {}
+    for seed in range(seeds):
+        report = compare(seed, factors)
+        for load, rows in report.items():
+            for r in rows[1:]:
+                cell = tally.setdefault(load, {}).setdefault(r["policy"], {"met": 0, "p95": [], "mean": []})
+                cell["met"] += met(load, r["ratio"])
+                cell["p95"].append(r["ratio"]["p95"])
+                cell["mean"].append(r["ratio"]["mean"])
+    print(f"\nover {seeds} session sets: targets met, median p95 and mean ratio to strict")
+    print("| load | policy | targets met | median p95 ratio | median mean ratio |")
+    print("|---|---|---|---|---|")
+    for load, cells in tally.items():
+        for policy, cell in cells.items():
+            print(f"| {load} | {policy} | {cell['met']}/{seeds} | {statistics.median(cell['p95']):.2f} "
+                  f"| {statistics.median(cell['mean']):.2f} |")
+    return tally
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--factors", default=f"{DEFAULT_FACTOR:g}",
+                   help="comma-separated yield factors for crossbar; 0 turns yielding off")
+    p.add_argument("--seeds", type=int, default=0, help="also sweep this many session sets")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    factors = [float(f) for f in args.factors.split(",")]
+    report = compare(args.seed, factors)
+    print(f"fleet: {len(HOSTS)} hosts x {FLEET.slots} slot, prefill {FLEET.prefill_tps:g} tok/s, "
+          f"generation {FLEET.gen_tps:g} tok/s; seed {args.seed}")
+    print_tables(report)
+    if args.seeds:
+        report["sweep"] = sweep(args.seeds, factors)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(report, fh, indent=1, default=lambda o: asdict(o))
+
+
+if __name__ == "__main__":
+    main()

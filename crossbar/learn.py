@@ -1,0 +1,171 @@
+"""What hosts have been doing, learned from their replies: rates, reply lengths, busy time.
+
+`RateLearner` keeps, per (host, model), moving averages of llama-server's `timings`
+(`prompt_per_second`, `predicted_per_second`, `prompt_n`, `predicted_n`) and, per conversation,
+the length of its last reply. `BusyMeter` keeps, per host, an exponentially weighted average of
+how many of its requests were running over the recent past. Both take the clock as an argument
+and hold bounded tables (the least recently touched entry goes first). Timings come from the
+upstream, so every figure is checked: non-numbers, negatives, non-finite and absurd values are
+ignored, never learned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from crossbar.yieldpolicy import Rates
+
+MAX_TOKENS = 10_000_000  # no single reply or prompt is larger; beyond it a figure is nonsense
+MAX_TPS = 10_000_000.0
+MIN_PREFILL_SAMPLE = 64  # prompt tokens: shorter prefills measure overhead, not the rate
+MIN_GEN_SAMPLE = 8  # generated tokens, likewise
+
+
+def _figure(timings: Mapping[str, Any], key: str, limit: float) -> float | None:
+    value = timings.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or value > limit:
+        return None
+    return value
+
+
+@dataclass(slots=True)
+class _Average:
+    value: float = 0.0
+    samples: int = 0
+
+    def add(self, x: float, alpha: float) -> None:
+        self.value = x if self.samples == 0 else self.value + alpha * (x - self.value)
+        self.samples += 1
+
+
+@dataclass(slots=True)
+class _PairStats:
+    prefill_tps: _Average = field(default_factory=_Average)
+    gen_tps: _Average = field(default_factory=_Average)
+    reply_tokens: _Average = field(default_factory=_Average)
+    prefill_tokens: _Average = field(default_factory=_Average)
+
+
+class RateLearner:
+    """Per (host, model) prefill and generation rates and typical lengths; per conversation its
+    last reply length (forgotten after `conversation_ttl` seconds)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        alpha: float = 0.2,
+        conversation_ttl: float = 1800.0,
+        max_pairs: int = 1024,
+        max_conversations: int = 10_000,
+    ) -> None:
+        self._clock = clock
+        self._alpha = alpha
+        self._ttl = conversation_ttl
+        self._max_pairs = max_pairs
+        self._max_conversations = max_conversations
+        self._pairs: OrderedDict[tuple[str, str], _PairStats] = OrderedDict()
+        self._replies: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, when)
+
+    def observe(self, host: str, model: str, timings: Mapping[str, Any], conversation: str = "") -> None:
+        """Learn from one finished reply's `timings` object."""
+        stats = self._pair(host, model)
+        prompt_n = _figure(timings, "prompt_n", MAX_TOKENS)
+        predicted_n = _figure(timings, "predicted_n", MAX_TOKENS)
+        prompt_tps = _figure(timings, "prompt_per_second", MAX_TPS)
+        gen_tps = _figure(timings, "predicted_per_second", MAX_TPS)
+        if prompt_n is not None:
+            stats.prefill_tokens.add(prompt_n, self._alpha)
+            if prompt_n >= MIN_PREFILL_SAMPLE and prompt_tps:
+                stats.prefill_tps.add(prompt_tps, self._alpha)
+        if predicted_n is not None:
+            stats.reply_tokens.add(predicted_n, self._alpha)
+            if predicted_n >= MIN_GEN_SAMPLE and gen_tps:
+                stats.gen_tps.add(gen_tps, self._alpha)
+            if conversation:
+                self._remember_reply(conversation, predicted_n)
+
+    def rates(self, host: str, model: str) -> Rates:
+        """The learned rates; zeros (not known) for a pair never observed."""
+        stats = self._pairs.get((host, model))
+        if stats is None:
+            return Rates(0.0, 0.0)
+        return Rates(stats.prefill_tps.value, stats.gen_tps.value, stats.reply_tokens.value,
+                     stats.prefill_tokens.value)
+
+    def reply_tokens(self, host: str, model: str, conversation: str = "") -> float:
+        """Expected reply length of the conversation's next request: its last reply when known
+        and recent, else the host's typical reply for the model."""
+        remembered = self._replies.get(conversation) if conversation else None
+        if remembered is not None and self._clock() - remembered[1] <= self._ttl:
+            return remembered[0]
+        return self.rates(host, model).reply_tokens
+
+    def _pair(self, host: str, model: str) -> _PairStats:
+        key = (host, model)
+        stats = self._pairs.get(key)
+        if stats is None:
+            stats = self._pairs[key] = _PairStats()
+            while len(self._pairs) > self._max_pairs:
+                self._pairs.popitem(last=False)
+        self._pairs.move_to_end(key)
+        return stats
+
+    def _remember_reply(self, conversation: str, tokens: float) -> None:
+        self._replies[conversation] = (tokens, self._clock())
+        self._replies.move_to_end(conversation)
+        while len(self._replies) > self._max_conversations:
+            self._replies.popitem(last=False)
+
+
+@dataclass(slots=True)
+class _Busy:
+    level: float = 0.0  # average number of running requests, decayed up to `since`
+    running: int = 0
+    since: float = 0.0
+
+
+class BusyMeter:
+    """Recent busy time per host: the running-request count averaged over an exponential window
+    of `tau` seconds (so 1.0 on a 1-slot host that has been busy throughout)."""
+
+    def __init__(self, clock: Callable[[], float], tau: float = 60.0, max_hosts: int = 1024) -> None:
+        self._clock = clock
+        self._tau = tau
+        self._max_hosts = max_hosts
+        self._hosts: OrderedDict[str, _Busy] = OrderedDict()
+
+    def start(self, host: str) -> None:
+        self._advance(host).running += 1
+
+    def end(self, host: str) -> None:
+        state = self._advance(host)
+        state.running = max(state.running - 1, 0)
+
+    def busy(self, host: str) -> float:
+        state = self._hosts.get(host)
+        if state is None:
+            return 0.0
+        return self._decayed(state, self._clock())
+
+    def _decayed(self, state: _Busy, now: float) -> float:
+        keep = math.exp(-max(now - state.since, 0.0) / self._tau)
+        return state.level * keep + state.running * (1.0 - keep)
+
+    def _advance(self, host: str) -> _Busy:
+        now = self._clock()
+        state = self._hosts.get(host)
+        if state is None:
+            state = self._hosts[host] = _Busy(since=now)
+            while len(self._hosts) > self._max_hosts:
+                self._hosts.popitem(last=False)
+        state.level = self._decayed(state, now)
+        state.since = now
+        self._hosts.move_to_end(host)
+        return state
