@@ -114,6 +114,7 @@ class CrossbarPolicy:
         self.learner = RateLearner(clock)
         self.meter = BusyMeter(clock)
         self.leases: dict[str, Lease] = {}
+        self.yielded: set[str] = set()  # sessions whose current turn has yielded once already
         self.moves = 0
 
     def place(self, session: str, prompt_tokens: int, now: float) -> str:
@@ -123,14 +124,34 @@ class CrossbarPolicy:
             assert choice is not None
             lease = self.leases[session] = Lease(choice.host, now)
         elif self._would_wait(lease.host):
-            home = self._load(lease.host, lease, now)
-            others = [self._load(h, lease, now) for h in self.hosts if h != lease.host]
-            verdict = decide(prompt_tokens, home, others, self.factor)
-            if isinstance(verdict, Move):
-                lease.host = verdict.host
-                self.moves += 1
+            target = self._yield_target(session, prompt_tokens, len(self.hosts[lease.host].waiting), now)
+            if target:
+                lease.host = target
         lease.used = now
         return lease.host
+
+    def rebalance(self, now: float) -> None:
+        """A slot freed somewhere: each queued turn may yield to another host (once per turn)."""
+        for h in self.hosts.values():
+            for ahead, request in enumerate(list(h.waiting)):
+                if request.conversation in self.yielded:
+                    continue
+                target = self._yield_target(request.conversation, request.prompt_tokens, ahead, now)
+                if target and h.withdraw(request):
+                    self.leases[request.conversation].host = target
+                    self.hosts[target].submit(request)
+
+    def _yield_target(self, session: str, prompt_tokens: int, ahead: int, now: float) -> str:
+        lease = self.leases[session]
+        home = self._load(lease.host, lease, now, ahead)
+        others = [self._load(name, lease, now, len(h.waiting)) for name, h in self.hosts.items()
+                  if name != lease.host]
+        verdict = decide(prompt_tokens, home, others, self.factor)
+        if not isinstance(verdict, Move):
+            return ""
+        self.moves += 1
+        self.yielded.add(session)
+        return verdict.host
 
     def _would_wait(self, host: str) -> bool:
         h = self.hosts[host]
@@ -148,12 +169,12 @@ class CrossbarPolicy:
             for i, (name, h) in enumerate(self.hosts.items())
         ]
 
-    def _load(self, name: str, lease: Lease, now: float) -> HostLoad:
+    def _load(self, name: str, lease: Lease, now: float, queued: int) -> HostLoad:
         h = self.hosts[name]
         rates = self.learner.rates(name, MODEL)
         running = tuple(Running(now - r.started, self.learner.reply_tokens(name, MODEL, r.conversation),
                                 rates.prefill_tokens) for r in h.running)
-        return HostLoad(name, h.model.slots, rates, running, len(h.waiting), lease.seen.get(name, 0))
+        return HostLoad(name, h.model.slots, rates, running, queued, lease.seen.get(name, 0))
 
     def started(self, request: TimedRequest, host: str) -> None:
         self.meter.start(host)
@@ -162,6 +183,9 @@ class CrossbarPolicy:
         self.meter.end(host)
         self.learner.observe(host, MODEL, self.hosts[host].timings(request), request.conversation)
         self.leases[request.conversation].seen[host] = request.prompt_tokens + request.reply_tokens
+        self.yielded.discard(request.conversation)
+        if self.factor > 0:
+            self.rebalance(self.clock())
 
 
 @dataclass
@@ -202,7 +226,7 @@ def run(sessions: list[Session], make_policy: Callable[[dict[str, TimedHost], Vi
         host = policy.place(session.name, prompt, arrived)
 
         def done(request: TimedRequest) -> None:
-            policy.finished(request, host)
+            policy.finished(request, request.host)
             result.latencies.append(request.finished - arrived)
             result.prompt_tokens += request.prompt_tokens
             result.cached_tokens += request.cache_n
@@ -211,7 +235,7 @@ def run(sessions: list[Session], make_policy: Callable[[dict[str, TimedHost], Vi
                 clock.at(clock.now + think, lambda: turn(session, index + 1, prompt + spec.reply_tokens))
 
         hosts[host].submit(TimedRequest(session.name, prompt, spec.reply_tokens,
-                                        on_start=lambda r: policy.started(r, host), on_done=done))
+                                        on_start=lambda r: policy.started(r, r.host), on_done=done))
 
     for s in sessions:
         clock.at(s.start_s, lambda s=s: turn(s, 0, s.context_tokens))

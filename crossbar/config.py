@@ -25,6 +25,8 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+from crossbar.yieldpolicy import DEFAULT_FACTOR as DEFAULT_YIELD_FACTOR
+
 MIB = 1024 * 1024
 
 
@@ -90,6 +92,7 @@ class RouteConf:
     affinity: str = "conversation"  # "conversation" | "route"
     queue: bool = True
     peers: tuple[str, ...] = ()
+    yield_factor: float | None = None  # None: the top-level `yield_factor`
 
     @property
     def is_template(self) -> bool:
@@ -117,11 +120,11 @@ class Config:
     first_byte_timeout: float = 900.0
     drain_timeout: float = 600.0
     mitmweb_keep_flows: int = 500
-
+    yield_factor: float = DEFAULT_YIELD_FACTOR  # 0: a busy host's turns never move
 
 # Features parsed and validated now but refused by `check_supported` until they work.
 # Later work removes a name here once its feature is implemented.
-NOT_YET_SUPPORTED: set[str] = set()
+NOT_YET_SUPPORTED: set[str] = {"yield_factor"}
 
 IDENTITIES = ("off", "tailscale", "header")
 AFFINITIES = ("conversation", "route")
@@ -133,13 +136,15 @@ _TOP_KEYS = frozenset(
     {
         "listen", "db", "poll_interval", "poll_timeout", "lease_idle", "queue_max", "retention",
         "max_body", "allow_any_address", "identity", "admin_listen", "connect_timeout",
-        "first_byte_timeout", "drain_timeout", "mitmweb_keep_flows", "hosts", "routes",
+        "first_byte_timeout", "drain_timeout", "mitmweb_keep_flows", "yield_factor", "hosts", "routes",
     }
 )  # fmt: skip
 _HOST_KEYS = frozenset({"base_url", "weight", "models", "wake"})
 _MODEL_KEYS = frozenset({"parallel", "ctx"})
 _WAKE_KEYS = frozenset({"mac", "broadcast", "wait"})
-_ROUTE_KEYS = frozenset({"hosts", "default_model", "pin", "listen", "affinity", "queue", "peers"})
+_ROUTE_KEYS = frozenset(
+    {"hosts", "default_model", "pin", "listen", "affinity", "queue", "peers", "yield_factor"}
+)
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -247,6 +252,15 @@ def _positive_number(value: object, key: str) -> float:
         raise _expected(key, "number", value)
     if not (math.isfinite(value) and value > 0):
         raise _fail(key, f"must be a number > 0, got {value}")
+    return float(value)
+
+
+def _yield_factor(value: object, key: str) -> float:
+    """0 turns yielding off; below 1 a turn would move to wait longer, so it is refused."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _expected(key, "number", value)
+    if not (math.isfinite(value) and (value == 0 or value >= 1)):
+        raise _fail(key, f"must be 0 (off) or a number >= 1, got {value}")
     return float(value)
 
 
@@ -583,6 +597,7 @@ def _parse_route(name: str, value: object, ctx: _RouteContext) -> RouteConf:
         "affinity": lambda v, k: _choice(v, k, AFFINITIES),
         "queue": _bool,
         "peers": lambda v, k: _route_peers(v, k, ctx),
+        "yield_factor": _yield_factor,
     }
     kwargs = {k: parse(table[k], _key(key, k)) for k, parse in parsers.items() if k in table}
     return RouteConf(name=name, hosts=hosts, **kwargs)
@@ -609,6 +624,7 @@ _TOP_SCALARS: dict[str, Callable[[object, str], Any]] = {
     "first_byte_timeout": _positive_duration,
     "drain_timeout": _positive_duration,
     "mitmweb_keep_flows": lambda v, k: _int(v, k, 0),
+    "yield_factor": _yield_factor,
 }
 
 
@@ -641,6 +657,8 @@ def _features_in_use(cfg: Config) -> Iterator[tuple[str, str]]:
         yield "identity", "identity"
     if cfg.admin_listen is not None:
         yield "admin_listen", "admin_listen"
+    if cfg.yield_factor != DEFAULT_YIELD_FACTOR:
+        yield "yield_factor", "yield_factor"
     for host in cfg.hosts.values():
         if host.wake is not None:
             yield "wake", _key("hosts", host.name, "wake")
@@ -654,6 +672,8 @@ def _features_in_use(cfg: Config) -> Iterator[tuple[str, str]]:
             yield "queue", _key(key, "queue")
         if route.peers:
             yield "peers", _key(key, "peers")
+        if route.yield_factor is not None:
+            yield "yield_factor", _key(key, "yield_factor")
 
 
 def check_supported(cfg: Config) -> None:

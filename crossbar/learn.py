@@ -53,6 +53,16 @@ class _PairStats:
     prefill_tokens: _Average = field(default_factory=_Average)
 
 
+_PAIR_FIGURES = ("prefill_tps", "gen_tps", "reply_tokens", "prefill_tokens")  # Rates' field order
+
+
+def _own_or_mean(own: _PairStats | None, peers: list[_PairStats], name: str) -> float:
+    if own is not None and getattr(own, name).samples:
+        return getattr(own, name).value
+    learned = [getattr(p, name).value for p in peers if getattr(p, name).samples]
+    return sum(learned) / len(learned) if learned else 0.0
+
+
 class RateLearner:
     """Per (host, model) prefill and generation rates and typical lengths; per conversation its
     last reply length (forgotten after `conversation_ttl` seconds)."""
@@ -92,12 +102,12 @@ class RateLearner:
                 self._remember_reply(conversation, predicted_n)
 
     def rates(self, host: str, model: str) -> Rates:
-        """The learned rates; zeros (not known) for a pair never observed."""
-        stats = self._pairs.get((host, model))
-        if stats is None:
-            return Rates(0.0, 0.0)
-        return Rates(stats.prefill_tps.value, stats.gen_tps.value, stats.reply_tokens.value,
-                     stats.prefill_tokens.value)
+        """The learned rates. A figure not learned yet on this host is the mean of the hosts that
+        have learned it for the same model (a fleet serves one model on alike machines, and a
+        fresh host is otherwise invisible to the estimates); zero (not known) when none has."""
+        own = self._pairs.get((host, model))
+        peers = [stats for (_, m), stats in self._pairs.items() if m == model]
+        return Rates(*(_own_or_mean(own, peers, name) for name in _PAIR_FIGURES))
 
     def reply_tokens(self, host: str, model: str, conversation: str = "") -> float:
         """Expected reply length of the conversation's next request: its last reply when known

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 YIELD = "yield"  # the lease decision / event reason for a turn moved by this policy
-DEFAULT_FACTOR = 1.5  # measured with bench/yield_bench.py (see README, Benchmarks)
+DEFAULT_FACTOR = 2.0  # measured with bench/yield_bench.py (see README, Benchmarks)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,13 +56,14 @@ class TimeModel:
             raise ValueError("rates must be > 0, slots >= 1 and cache_tokens >= 0")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class TimedRequest:
     conversation: str
     prompt_tokens: int
     reply_tokens: int
     on_start: Callable[[TimedRequest], None] = field(default=lambda r: None, repr=False)
     on_done: Callable[[TimedRequest], None] = field(default=lambda r: None, repr=False)
+    host: str = ""  # set when submitted
     submitted: float = 0.0
     started: float = -1.0
     finished: float = -1.0
@@ -119,9 +120,16 @@ class TimedHost:
         self.busy_s = 0.0  # slot-seconds spent serving, for utilisation figures
 
     def submit(self, request: TimedRequest) -> None:
-        request.submitted = self.clock.now
+        request.host, request.submitted = self.name, self.clock.now
         self.waiting.append(request)
         self._start_waiting()
+
+    def withdraw(self, request: TimedRequest) -> bool:
+        """Take back a request that has not started (a router moving a queued turn elsewhere)."""
+        if request not in self.waiting:
+            return False
+        self.waiting.remove(request)
+        return True
 
     def cached_tokens(self, conversation: str) -> int:
         """What the host's cache holds of a conversation now (a peek: the LRU order is kept)."""

@@ -562,6 +562,7 @@ FEATURES: list[tuple[str, tuple[Edit, ...], str]] = [
     ("affinity", ((p("routes.t-*.affinity"), "route"),), 'routes."t-*".affinity'),
     ("queue", ((p("routes.a.queue"), False),), "routes.a.queue"),
     ("peers", ((p("identity"), "header"), (p("routes.a.peers"), ["talos"])), "routes.a.peers"),
+    ("yield_factor", ((p("routes.a.yield_factor"), 3),), "routes.a.yield_factor"),
 ]
 
 
