@@ -32,10 +32,11 @@ class Candidate:
     recent_busy: float = 0.0  # running requests averaged over the recent past (crossbar.learn)
 
     def held_per_capacity(self) -> float:
-        """Work held per slot x weight: running and queued requests, conversations that will come
-        back, and how busy the host has been lately."""
+        """Work per slot x weight once the new conversation joins: running and queued requests,
+        conversations that will come back, how busy the host has been lately, plus the newcomer
+        (so between idle hosts the weight still decides)."""
         held = max(self.in_flight, 0) + max(self.queued, 0) + max(self.active_leases, 0)
-        held += max(self.recent_busy, 0.0)
+        held += max(self.recent_busy, 0.0) + 1
         return held / (max(self.slots, 1) * max(self.weight, MIN_WEIGHT))
 
 
