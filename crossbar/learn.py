@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,7 @@ class _PairStats:
 _PAIR_FIGURES = ("prefill_tps", "gen_tps", "reply_tokens", "prefill_tokens")  # Rates' field order
 
 
-def _own_or_mean(own: _PairStats | None, peers: list[_PairStats], name: str) -> float:
+def _own_or_mean(own: _PairStats | None, peers: Iterable[_PairStats], name: str) -> float:
     if own is not None and getattr(own, name).samples:
         return getattr(own, name).value
     learned = [getattr(p, name).value for p in peers if getattr(p, name).samples]
@@ -81,6 +81,7 @@ class RateLearner:
         self._max_pairs = max_pairs
         self._max_conversations = max_conversations
         self._pairs: OrderedDict[tuple[str, str], _PairStats] = OrderedDict()
+        self._by_model: dict[str, dict[str, _PairStats]] = {}  # the same entries, by model then host
         self._replies: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, when)
 
     def observe(self, host: str, model: str, timings: Mapping[str, Any], conversation: str = "") -> None:
@@ -105,9 +106,9 @@ class RateLearner:
         """The learned rates. A figure not learned yet on this host is the mean of the hosts that
         have learned it for the same model (a fleet serves one model on alike machines, and a
         fresh host is otherwise invisible to the estimates); zero (not known) when none has."""
-        own = self._pairs.get((host, model))
-        peers = [stats for (_, m), stats in self._pairs.items() if m == model]
-        return Rates(*(_own_or_mean(own, peers, name) for name in _PAIR_FIGURES))
+        peers = self._by_model.get(model, {})
+        own = peers.get(host)
+        return Rates(*(_own_or_mean(own, peers.values(), name) for name in _PAIR_FIGURES))
 
     def reply_tokens(self, host: str, model: str, conversation: str = "") -> float:
         """Expected reply length of the conversation's next request: its last reply when known
@@ -121,9 +122,12 @@ class RateLearner:
         key = (host, model)
         stats = self._pairs.get(key)
         if stats is None:
-            stats = self._pairs[key] = _PairStats()
+            stats = self._pairs[key] = self._by_model.setdefault(model, {})[host] = _PairStats()
             while len(self._pairs) > self._max_pairs:
-                self._pairs.popitem(last=False)
+                (old_host, old_model), _ = self._pairs.popitem(last=False)
+                del self._by_model[old_model][old_host]
+                if not self._by_model[old_model]:
+                    del self._by_model[old_model]
         self._pairs.move_to_end(key)
         return stats
 

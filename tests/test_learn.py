@@ -133,3 +133,12 @@ def test_busy_meter_never_goes_negative_and_is_bounded() -> None:
     clock.now += 100
     assert meter.busy("a") == 0.0 and meter.busy("b") == 0.0  # forgotten
     assert meter.busy("d") == pytest.approx(1.0, abs=1e-3)
+
+
+def test_evicted_model_is_forgotten_fleet_wide() -> None:
+    learner = RateLearner(Clock(), max_pairs=2)
+    learner.observe("a", "m1", timings())
+    learner.observe("b", "m2", timings())
+    learner.observe("c", "m2", timings())
+    assert not learner.rates("a", "m1").known and not learner.rates("z", "m1").known
+    assert learner.rates("z", "m2").known
