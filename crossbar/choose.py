@@ -2,8 +2,9 @@
 
 Only new conversations are placed here; an existing lease never moves because a
 better host appeared (see `crossbar.lease`; a busy host's turn may yield, see
-`crossbar.yieldpolicy`). A conversation stays where it is placed, so a host is judged by
-the work it holds, not only by its free slots of this instant.
+`crossbar.yieldpolicy`). A conversation stays where it is placed, so between hosts with
+the same free slots the one holding less work wins (when every slot is busy, all tie at
+zero free slots), never simply the first in config order.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ def _eligible(c: Candidate) -> bool:
 
 
 def _rank(c: Candidate) -> tuple[float, float, int, int]:
-    """Sort key: the least work held per slot x weight first, then the most free slots x weight,
-    then the shortest queue; config order only between hosts that hold the same."""
-    return (c.held_per_capacity(), -(max(c.free_slots, 0) * c.weight), c.queued, c.order)
+    """Sort key: the most free slots x weight first (work starts now), then the least work held
+    per slot x weight, then the shortest queue; config order only between hosts that hold the
+    same. Without held-work facts (their defaults) this is the plain free-slots ranking."""
+    return (-(max(c.free_slots, 0) * c.weight), c.held_per_capacity(), c.queued, c.order)
 
 
 def _best(pool: list[Candidate]) -> Candidate | None:
