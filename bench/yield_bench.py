@@ -1,6 +1,6 @@
 """Placement under uneven load: strict session-hash stickiness vs crossbar's policy, one run.
 
-    .venv/bin/python bench/yield_bench.py [--seed 0] [--seeds 30] [--factors 1,1.5,2,3] [--out FILE.json]
+    .venv/bin/python bench/yield_bench.py [--seed 0] [--seeds 60] [--factors 1,1.5,2,3] [--out FILE.json]
 
 The same sessions run on a time-modelled fleet (`llamasim.timed`: 3 hosts x 1 slot, prefill
 20k tok/s, generation 1k tok/s, a host prompt cache, on a virtual clock, so a run is
@@ -327,23 +327,26 @@ def print_tables(report: dict[str, Any]) -> None:
 
 
 def sweep(seeds: int, factors: list[float]) -> dict[str, Any]:
-    """How often each factor meets the targets over many session sets, and its median ratios."""
+    """How often each variant meets the targets over many session sets, and its median figures."""
     tally: dict[str, Any] = {}
     for seed in range(seeds):
         report = compare(seed, factors)
         for load, rows in report.items():
             for r in rows[1:]:
-                cell = tally.setdefault(load, {}).setdefault(r["policy"], {"met": 0, "p95": [], "mean": []})
+                cell = tally.setdefault(load, {}).setdefault(r["policy"], {"met": 0, "p95": [], "mean": [],
+                                                                           "cached": [], "moves": []})
                 cell["met"] += met(load, r["ratio"])
-                cell["p95"].append(r["ratio"]["p95"])
-                cell["mean"].append(r["ratio"]["mean"])
-    print(f"\nover {seeds} session sets: targets met, median p95 and mean ratio to strict")
-    print("| load | policy | targets met | median p95 ratio | median mean ratio |")
-    print("|---|---|---|---|---|")
+                for key in ("p95", "mean", "cached"):
+                    cell[key].append(r["ratio"][key])
+                cell["moves"].append(r["moves"])
+    print(f"\nover {seeds} session sets (seeds 0-{seeds - 1}): targets met; medians of the ratios to strict")
+    print("| load | policy | targets met | p95 ratio | mean ratio | cached ratio | moves per run |")
+    print("|---|---|---|---|---|---|---|")
     for load, cells in tally.items():
         for policy, cell in cells.items():
-            print(f"| {load} | {policy} | {cell['met']}/{seeds} | {statistics.median(cell['p95']):.2f} "
-                  f"| {statistics.median(cell['mean']):.2f} |")
+            medians = [statistics.median(cell[k]) for k in ("p95", "mean", "cached", "moves")]
+            print(f"| {load} | {policy} | {cell['met']}/{seeds} | {medians[0]:.2f} | {medians[1]:.2f} "
+                  f"| {medians[2]:.3f} | {medians[3]:g} |")
     return tally
 
 
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="the session set shown in detail")
     p.add_argument("--factors", default=f"{DEFAULT_FACTOR:g}",
                    help="comma-separated yield factors for crossbar; 0 turns yielding off")
-    p.add_argument("--seeds", type=int, default=30, help="session sets in the summary (0: none)")
+    p.add_argument("--seeds", type=int, default=60, help="session sets in the summary (0: none)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     factors = [float(f) for f in args.factors.split(",")]
