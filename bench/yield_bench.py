@@ -106,7 +106,6 @@ class Strict:
 class Lease:
     host: str
     used: float
-    seen: dict[str, int] = field(default_factory=dict)  # host -> tokens of the session it served
 
 
 class CrossbarPolicy:
@@ -149,8 +148,8 @@ class CrossbarPolicy:
 
     def _yield_target(self, session: str, prompt_tokens: int, ahead: int, now: float) -> str:
         lease = self.leases[session]
-        home = self._load(lease.host, lease, now, ahead)
-        others = [self._load(name, lease, now, len(h.waiting)) for name, h in self.hosts.items()
+        home = self._load(lease.host, session, now, ahead)
+        others = [self._load(name, session, now, len(h.waiting)) for name, h in self.hosts.items()
                   if name != lease.host]
         verdict = decide(prompt_tokens, home, others, self.factor)
         if not isinstance(verdict, Move):
@@ -183,12 +182,13 @@ class CrossbarPolicy:
             for i, (name, h) in enumerate(self.hosts.items())
         ]
 
-    def _load(self, name: str, lease: Lease, now: float, queued: int) -> HostLoad:
+    def _load(self, name: str, session: str, now: float, queued: int) -> HostLoad:
         h = self.hosts[name]
         rates = self.learner.rates(name, MODEL)
         running = tuple(Running(now - r.started, self.learner.reply_tokens(name, MODEL, r.conversation),
                                 rates.prefill_tokens) for r in h.running)
-        return HostLoad(name, h.model.slots, rates, running, queued, lease.seen.get(name, 0))
+        cached = self.learner.likely_cached(session, name)
+        return HostLoad(name, h.model.slots, rates, running, queued, cached)
 
     def started(self, request: TimedRequest, host: str) -> None:
         self.meter.start(host)
@@ -196,7 +196,6 @@ class CrossbarPolicy:
     def finished(self, request: TimedRequest, host: str) -> None:
         self.meter.end(host)
         self.learner.observe(host, MODEL, self.hosts[host].timings(request), request.conversation)
-        self.leases[request.conversation].seen[host] = request.prompt_tokens + request.reply_tokens
         self.yielded.discard(request.conversation)
         if self.factor > 0:
             self.rebalance(self.clock())

@@ -2,8 +2,10 @@
 
 `RateLearner` keeps, per (host, model), moving averages of llama-server's `timings`
 (`prompt_per_second`, `predicted_per_second`, `prompt_n`, `predicted_n`) and, per conversation,
-the length of its last reply. `BusyMeter` keeps, per host, an exponentially weighted average of
-how many of its requests were running over the recent past. Both take the clock as an argument
+the length of its last reply and how many of its tokens each host that served it processed
+(`cache_n + prompt_n + predicted_n`: what that host's prompt cache likely holds). `BusyMeter`
+keeps, per host, an exponentially weighted average of how many of its requests were running
+over the recent past. Both take the clock as an argument
 and hold bounded tables (the least recently touched entry goes first). Timings come from the
 upstream, so every figure is checked: non-numbers, negatives, non-finite and absurd values are
 ignored, never learned.
@@ -53,6 +55,13 @@ class _PairStats:
     prefill_tokens: _Average = field(default_factory=_Average)
 
 
+@dataclass(slots=True)
+class _Conversation:
+    reply_tokens: float  # its last reply
+    when: float  # of its last reply
+    held: dict[str, int] = field(default_factory=dict)  # host -> tokens it processed for it last
+
+
 _PAIR_FIGURES = ("prefill_tps", "gen_tps", "reply_tokens", "prefill_tokens")  # Rates' field order
 
 
@@ -82,13 +91,14 @@ class RateLearner:
         self._max_conversations = max_conversations
         self._pairs: OrderedDict[tuple[str, str], _PairStats] = OrderedDict()
         self._by_model: dict[str, dict[str, _PairStats]] = {}  # the same entries, by model then host
-        self._replies: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, when)
+        self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
 
     def observe(self, host: str, model: str, timings: Mapping[str, Any], conversation: str = "") -> None:
         """Learn from one finished reply's `timings` object."""
         stats = self._pair(host, model)
         prompt_n = _figure(timings, "prompt_n", MAX_TOKENS)
         predicted_n = _figure(timings, "predicted_n", MAX_TOKENS)
+        cache_n = _figure(timings, "cache_n", MAX_TOKENS)
         prompt_tps = _figure(timings, "prompt_per_second", MAX_TPS)
         gen_tps = _figure(timings, "predicted_per_second", MAX_TPS)
         if prompt_n is not None:
@@ -99,8 +109,8 @@ class RateLearner:
             stats.reply_tokens.add(predicted_n, self._alpha)
             if predicted_n >= MIN_GEN_SAMPLE and gen_tps:
                 stats.gen_tps.add(gen_tps, self._alpha)
-            if conversation:
-                self._remember_reply(conversation, predicted_n)
+        if conversation and predicted_n is not None and prompt_n is not None and cache_n is not None:
+            self._remember(conversation, host, predicted_n, cache_n + prompt_n + predicted_n)
 
     def rates(self, host: str, model: str) -> Rates:
         """The learned rates. A figure not learned yet on this host is the mean of the hosts that
@@ -113,10 +123,22 @@ class RateLearner:
     def reply_tokens(self, host: str, model: str, conversation: str = "") -> float:
         """Expected reply length of the conversation's next request: its last reply when known
         and recent, else the host's typical reply for the model."""
-        remembered = self._replies.get(conversation) if conversation else None
-        if remembered is not None and self._clock() - remembered[1] <= self._ttl:
-            return remembered[0]
+        remembered = self._recent(conversation)
+        if remembered is not None:
+            return remembered.reply_tokens
         return self.rates(host, model).reply_tokens
+
+    def likely_cached(self, conversation: str, host: str) -> int:
+        """Tokens of the conversation the host's prompt cache likely holds: all it processed and
+        generated for the conversation's last request there (0 when it never served it)."""
+        remembered = self._recent(conversation)
+        return remembered.held.get(host, 0) if remembered is not None else 0
+
+    def _recent(self, conversation: str) -> _Conversation | None:
+        remembered = self._conversations.get(conversation) if conversation else None
+        if remembered is None or self._clock() - remembered.when > self._ttl:
+            return None
+        return remembered
 
     def _pair(self, host: str, model: str) -> _PairStats:
         key = (host, model)
@@ -131,11 +153,14 @@ class RateLearner:
         self._pairs.move_to_end(key)
         return stats
 
-    def _remember_reply(self, conversation: str, tokens: float) -> None:
-        self._replies[conversation] = (tokens, self._clock())
-        self._replies.move_to_end(conversation)
-        while len(self._replies) > self._max_conversations:
-            self._replies.popitem(last=False)
+    def _remember(self, conversation: str, host: str, reply_tokens: float, held_tokens: float) -> None:
+        remembered = self._recent(conversation) or _Conversation(0.0, 0.0)
+        remembered.reply_tokens, remembered.when = reply_tokens, self._clock()
+        remembered.held[host] = int(held_tokens)  # one entry per host that served it: config-bounded
+        self._conversations[conversation] = remembered
+        self._conversations.move_to_end(conversation)
+        while len(self._conversations) > self._max_conversations:
+            self._conversations.popitem(last=False)
 
 
 @dataclass(slots=True)

@@ -142,3 +142,17 @@ def test_evicted_model_is_forgotten_fleet_wide() -> None:
     learner.observe("c", "m2", timings())
     assert not learner.rates("a", "m1").known and not learner.rates("z", "m1").known
     assert learner.rates("z", "m2").known
+
+
+def test_likely_cached_is_what_each_host_last_processed_for_the_conversation() -> None:
+    clock = Clock()
+    learner = RateLearner(clock, conversation_ttl=60.0)
+    learner.observe("a", "m", timings(prompt_n=1_000, predicted_n=200), conversation="c")
+    learner.observe("b", "m", timings(prompt_n=1_500, predicted_n=300, cache_n=0), conversation="c")
+    learner.observe("b", "m", timings(prompt_n=400, predicted_n=100, cache_n=1_800), conversation="c")
+    assert (learner.likely_cached("c", "a"), learner.likely_cached("c", "b")) == (1_200, 2_300)
+    assert learner.likely_cached("c", "z") == 0 and learner.likely_cached("other", "a") == 0
+    learner.observe("b", "m", {"prompt_n": 5, "predicted_n": 1}, conversation="c")  # no cache_n: ignored
+    assert learner.likely_cached("c", "b") == 2_300
+    clock.now += 61
+    assert learner.likely_cached("c", "a") == 0
