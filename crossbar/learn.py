@@ -109,8 +109,9 @@ class RateLearner:
             stats.reply_tokens.add(predicted_n, self._alpha)
             if predicted_n >= MIN_GEN_SAMPLE and gen_tps:
                 stats.gen_tps.add(gen_tps, self._alpha)
-        if conversation and predicted_n is not None and prompt_n is not None and cache_n is not None:
-            self._remember(conversation, host, predicted_n, cache_n + prompt_n + predicted_n)
+        if conversation and predicted_n is not None:
+            held = None if prompt_n is None or cache_n is None else cache_n + prompt_n + predicted_n
+            self._remember(conversation, host, predicted_n, held)
 
     def rates(self, host: str, model: str) -> Rates:
         """The learned rates. A figure not learned yet on this host is the mean of the hosts that
@@ -153,10 +154,11 @@ class RateLearner:
         self._pairs.move_to_end(key)
         return stats
 
-    def _remember(self, conversation: str, host: str, reply_tokens: float, held_tokens: float) -> None:
+    def _remember(self, conversation: str, host: str, reply_tokens: float, held_tokens: float | None) -> None:
         remembered = self._recent(conversation) or _Conversation(0.0, 0.0)
         remembered.reply_tokens, remembered.when = reply_tokens, self._clock()
-        remembered.held[host] = int(held_tokens)  # one entry per host that served it: config-bounded
+        if held_tokens is not None:  # one entry per host that served it: config-bounded
+            remembered.held[host] = int(held_tokens)
         self._conversations[conversation] = remembered
         self._conversations.move_to_end(conversation)
         while len(self._conversations) > self._max_conversations:

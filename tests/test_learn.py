@@ -152,7 +152,7 @@ def test_likely_cached_is_what_each_host_last_processed_for_the_conversation() -
     learner.observe("b", "m", timings(prompt_n=400, predicted_n=100, cache_n=1_800), conversation="c")
     assert (learner.likely_cached("c", "a"), learner.likely_cached("c", "b")) == (1_200, 2_300)
     assert learner.likely_cached("c", "z") == 0 and learner.likely_cached("other", "a") == 0
-    learner.observe("b", "m", {"prompt_n": 5, "predicted_n": 1}, conversation="c")  # no cache_n: ignored
-    assert learner.likely_cached("c", "b") == 2_300
+    learner.observe("b", "m", {"prompt_n": 5, "predicted_n": 7}, conversation="c")  # no cache_n
+    assert learner.likely_cached("c", "b") == 2_300 and learner.reply_tokens("b", "m", "c") == 7
     clock.now += 61
     assert learner.likely_cached("c", "a") == 0
