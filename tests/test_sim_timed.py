@@ -57,13 +57,20 @@ def test_slots_serve_in_parallel() -> None:
     assert a.finished == b.finished == 2.0
 
 
-def test_next_turn_reads_its_prefix_from_the_host_cache() -> None:
+def second_turn(reply: int) -> tuple[TimedHost, TimedRequest, list[TimedRequest]]:
+    """A conversation's second turn (1,500 tokens) after a first of 1,000 + 100 on an idle host."""
     clock, done = VirtualClock(), []
     host = TimedHost("h", clock, MODEL)
     serve(host, "a", 1_000, 100, done)
     clock.run()
-    turn2 = serve(host, "a", 1_500, 100, done)
+    turn2 = serve(host, "a", 1_500, reply, done)
     clock.run()
+    return host, turn2, done
+
+
+def test_next_turn_reads_its_prefix_from_the_host_cache() -> None:
+    host, turn2, done = second_turn(100)
+    clock = host.clock
     assert (turn2.cache_n, turn2.prompt_n) == (1_100, 400)
     assert turn2.finished - turn2.started == pytest.approx(0.4 + 1.0)
     again = serve(host, "a", 1_000, 10, done)  # a shorter prompt (a retry): all but one token cached
@@ -111,12 +118,8 @@ def test_withdraw_only_a_queued_request() -> None:
 
 
 def test_timings_match_the_model_and_teach_the_learner_its_rates() -> None:
-    clock, done = VirtualClock(), []
-    host = TimedHost("h", clock, MODEL)
-    serve(host, "a", 1_000, 100, done)
-    clock.run()
-    turn2 = serve(host, "a", 1_500, 200, done)
-    clock.run()
+    host, turn2, _ = second_turn(200)
+    clock = host.clock
     t = host.timings(turn2)
     assert (t["cache_n"], t["prompt_n"], t["predicted_n"]) == (1_100, 400, 200)
     assert (t["prompt_ms"], t["predicted_ms"]) == (400.0, 2_000.0)
