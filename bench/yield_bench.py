@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from crossbar.choose import Candidate, choose
 from crossbar.learn import BusyMeter, RateLearner
-from crossbar.yieldpolicy import DEFAULT_FACTOR, HostLoad, Move, Running, decide
+from crossbar.yieldpolicy import DEFAULT_FACTOR, HostLoad, Move, decide
 from llamasim.timed import TimedHost, TimedRequest, TimeModel, VirtualClock
 
 MODEL = "m"
@@ -184,11 +184,8 @@ class CrossbarPolicy:
 
     def _load(self, name: str, session: str, now: float, queued: int) -> HostLoad:
         h = self.hosts[name]
-        rates = self.learner.rates(name, MODEL)
-        running = tuple(Running(now - r.started, self.learner.reply_tokens(name, MODEL, r.conversation),
-                                rates.prefill_tokens) for r in h.running)
-        cached = self.learner.likely_cached(session, name)
-        return HostLoad(name, h.model.slots, rates, running, queued, cached)
+        running = [(now - r.started, r.conversation) for r in h.running]
+        return self.learner.host_load(name, MODEL, h.model.slots, running, queued, session)
 
     def started(self, request: TimedRequest, host: str) -> None:
         self.meter.start(host)

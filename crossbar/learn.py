@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from crossbar.yieldpolicy import Rates
+from crossbar.yieldpolicy import HostLoad, Rates, Running
 
 MAX_TOKENS = 10_000_000  # no single reply or prompt is larger; beyond it a figure is nonsense
 MAX_TPS = 10_000_000.0
@@ -134,6 +134,16 @@ class RateLearner:
         generated for the conversation's last request there (0 when it never served it)."""
         remembered = self._recent(conversation)
         return remembered.held.get(host, 0) if remembered is not None else 0
+
+    def host_load(self, host: str, model: str, slots: int, running: Iterable[tuple[float, str]],
+                  queued: int, conversation: str) -> HostLoad:
+        """The yield decision's view of a host for one conversation's turn. `running` holds
+        (seconds since forwarded, conversation key) of each request in flight there; `queued`
+        the requests waiting ahead of the turn."""
+        rates = self.rates(host, model)
+        jobs = tuple(Running(elapsed, self.reply_tokens(host, model, key), rates.prefill_tokens)
+                     for elapsed, key in running)
+        return HostLoad(host, slots, rates, jobs, queued, self.likely_cached(conversation, host))
 
     def _recent(self, conversation: str) -> _Conversation | None:
         remembered = self._conversations.get(conversation) if conversation else None

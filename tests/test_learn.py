@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from crossbar.learn import BusyMeter, RateLearner
-from crossbar.yieldpolicy import Rates
+from crossbar.yieldpolicy import Rates, Running
 from llamasim.server import timings_json
 
 
@@ -156,3 +156,15 @@ def test_likely_cached_is_what_each_host_last_processed_for_the_conversation() -
     assert learner.likely_cached("c", "b") == 2_300 and learner.reply_tokens("b", "m", "c") == 7
     clock.now += 61
     assert learner.likely_cached("c", "a") == 0
+
+
+def test_host_load_assembles_the_yield_view_from_what_was_learned() -> None:
+    learner = RateLearner(Clock())
+    learner.observe("a", "m", timings(prompt_n=1_000, predicted_n=100), conversation="short")
+    learner.observe("a", "m", timings(prompt_n=1_000, predicted_n=5_000), conversation="long")
+    load = learner.host_load("a", "m", 2, [(1.5, "long"), (0.2, "new")], 3, "short")
+    rates = learner.rates("a", "m")
+    assert (load.name, load.slots, load.queued, load.rates) == ("a", 2, 3, rates)
+    assert load.running == (Running(1.5, 5_000.0, rates.prefill_tokens),
+                            Running(0.2, rates.reply_tokens, rates.prefill_tokens))
+    assert load.cached_tokens == 1_100
