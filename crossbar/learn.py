@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,10 +91,11 @@ class RateLearner:
         self._max_conversations = max_conversations
         self._pairs: OrderedDict[tuple[str, str], _PairStats] = OrderedDict()
         self._by_model: dict[str, dict[str, _PairStats]] = {}  # the same entries, by model then host
-        self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
+        self._conversations: OrderedDict[Hashable, _Conversation] = OrderedDict()
 
-    def observe(self, host: str, model: str, timings: Mapping[str, Any], conversation: str = "") -> None:
-        """Learn from one finished reply's `timings` object."""
+    def observe(self, host: str, model: str, timings: Mapping[str, Any],
+                conversation: Hashable | None = None) -> None:
+        """Learn from one finished reply's `timings` object; `conversation` is its lease key."""
         stats = self._pair(host, model)
         prompt_n = _figure(timings, "prompt_n", MAX_TOKENS)
         predicted_n = _figure(timings, "predicted_n", MAX_TOKENS)
@@ -109,7 +110,7 @@ class RateLearner:
             stats.reply_tokens.add(predicted_n, self._alpha)
             if predicted_n >= MIN_GEN_SAMPLE and gen_tps:
                 stats.gen_tps.add(gen_tps, self._alpha)
-        if conversation and predicted_n is not None:
+        if conversation is not None and predicted_n is not None:
             held = None if prompt_n is None or cache_n is None else cache_n + prompt_n + predicted_n
             self._remember(conversation, host, predicted_n, held)
 
@@ -121,7 +122,7 @@ class RateLearner:
         own = peers.get(host)
         return Rates(*(_own_or_mean(own, peers.values(), name) for name in _PAIR_FIGURES))
 
-    def reply_tokens(self, host: str, model: str, conversation: str = "") -> float:
+    def reply_tokens(self, host: str, model: str, conversation: Hashable | None = None) -> float:
         """Expected reply length of the conversation's next request: its last reply when known
         and recent, else the host's typical reply for the model."""
         remembered = self._recent(conversation)
@@ -129,14 +130,14 @@ class RateLearner:
             return remembered.reply_tokens
         return self.rates(host, model).reply_tokens
 
-    def likely_cached(self, conversation: str, host: str) -> int:
+    def likely_cached(self, conversation: Hashable | None, host: str) -> int:
         """Tokens of the conversation the host's prompt cache likely holds: all it processed and
         generated for the conversation's last request there (0 when it never served it)."""
         remembered = self._recent(conversation)
         return remembered.held.get(host, 0) if remembered is not None else 0
 
-    def host_load(self, host: str, model: str, slots: int, running: Iterable[tuple[float, str]],
-                  queued: int, conversation: str) -> HostLoad:
+    def host_load(self, host: str, model: str, slots: int, running: Iterable[tuple[float, Hashable | None]],
+                  queued: int, conversation: Hashable | None) -> HostLoad:
         """The yield decision's view of a host for one conversation's turn. `running` holds
         (seconds since forwarded, conversation key) of each request in flight there; `queued`
         the requests waiting ahead of the turn."""
@@ -145,8 +146,8 @@ class RateLearner:
                      for elapsed, key in running)
         return HostLoad(host, slots, rates, jobs, queued, self.likely_cached(conversation, host))
 
-    def _recent(self, conversation: str) -> _Conversation | None:
-        remembered = self._conversations.get(conversation) if conversation else None
+    def _recent(self, conversation: Hashable | None) -> _Conversation | None:
+        remembered = self._conversations.get(conversation) if conversation is not None else None
         if remembered is None or self._clock() - remembered.when > self._ttl:
             return None
         return remembered
@@ -164,7 +165,8 @@ class RateLearner:
         self._pairs.move_to_end(key)
         return stats
 
-    def _remember(self, conversation: str, host: str, reply_tokens: float, held_tokens: float | None) -> None:
+    def _remember(self, conversation: Hashable, host: str, reply_tokens: float,
+                  held_tokens: float | None) -> None:
         remembered = self._recent(conversation) or _Conversation(0.0, 0.0)
         remembered.reply_tokens, remembered.when = reply_tokens, self._clock()
         if held_tokens is not None:  # one entry per host that served it: config-bounded
