@@ -9,6 +9,10 @@ churn between hosts (more prefill, worse mean latency) in the time-modelled benc
 
 Everything here is an estimate from learned rates (see `crossbar.learn`): a host whose rates are
 not learned yet is never a target, and an unknown home never yields.
+
+Use: when a turn's leased host has no free slot, the router asks `decide` (with each host's view
+from `RateLearner.host_load`) and, on `Move`, moves the lease with reason `YIELD`; a turn still
+queued asks again whenever a slot frees on another host, at most one move per turn.
 """
 
 from __future__ import annotations
