@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import statistics
@@ -288,7 +289,8 @@ TARGETS = {  # (metric, ratio limit, higher is better)
 
 
 def ratios(strict: dict[str, float], ours: dict[str, float]) -> dict[str, float]:
-    return {k: ours[k] / strict[k] for k in ("p50", "p95", "max", "mean", "cached")}
+    return {k: ours[k] / strict[k] if strict[k] else (math.inf if ours[k] else 1.0)
+            for k in ("p50", "p95", "max", "mean", "cached")}
 
 
 def met(load: str, ratio: dict[str, float]) -> bool:
