@@ -37,6 +37,15 @@ def _figure(timings: Mapping[str, Any], key: str, limit: float) -> float | None:
     return value
 
 
+def _rate(timings: Mapping[str, Any], per_second: str, n: float | None, ms: str) -> float | None:
+    """llama-server's own tokens-per-second figure (when it is there, even if it is nonsense),
+    else tokens over the reported milliseconds."""
+    if per_second in timings or n is None:
+        return _figure(timings, per_second, MAX_TPS)
+    millis = _figure(timings, ms, MAX_TOKENS * 1e3)
+    return min(n / millis * 1e3, MAX_TPS) if millis else None
+
+
 @dataclass(slots=True)
 class _Average:
     value: float = 0.0
@@ -95,13 +104,15 @@ class RateLearner:
 
     def observe(self, host: str, model: str, timings: Mapping[str, Any],
                 conversation: Hashable | None = None) -> None:
-        """Learn from one finished reply's `timings` object; `conversation` is its lease key."""
+        """Learn from one finished reply's `timings` object; `conversation` is its lease key.
+        Without `prompt_per_second` / `predicted_per_second` the rates are the token counts over
+        `prompt_ms` / `predicted_ms`, so a caller may pass just those figures."""
         stats = self._pair(host, model)
         prompt_n = _figure(timings, "prompt_n", MAX_TOKENS)
         predicted_n = _figure(timings, "predicted_n", MAX_TOKENS)
         cache_n = _figure(timings, "cache_n", MAX_TOKENS)
-        prompt_tps = _figure(timings, "prompt_per_second", MAX_TPS)
-        gen_tps = _figure(timings, "predicted_per_second", MAX_TPS)
+        prompt_tps = _rate(timings, "prompt_per_second", prompt_n, "prompt_ms")
+        gen_tps = _rate(timings, "predicted_per_second", predicted_n, "predicted_ms")
         if prompt_n is not None:
             stats.prefill_tokens.add(prompt_n, self._alpha)
             if prompt_n >= MIN_PREFILL_SAMPLE and prompt_tps:

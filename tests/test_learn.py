@@ -168,3 +168,14 @@ def test_host_load_assembles_the_yield_view_from_what_was_learned() -> None:
     assert load.running == (Running(1.5, 5_000.0, rates.prefill_tokens),
                             Running(0.2, rates.reply_tokens, rates.prefill_tokens))
     assert load.cached_tokens == 1_100
+
+
+def test_rates_from_counts_and_milliseconds_when_per_second_is_absent() -> None:
+    learner = RateLearner(Clock())
+    learner.observe("a", "m", {"prompt_n": 2_000, "prompt_ms": 100.0, "predicted_n": 500,
+                               "predicted_ms": 250.0})
+    rates = learner.rates("a", "m")
+    assert (rates.prefill_tps, rates.gen_tps) == (20_000.0, 2_000.0)
+    other = RateLearner(Clock())
+    other.observe("b", "m", {"prompt_n": 2_000, "prompt_ms": 0.0, "predicted_n": 500, "predicted_ms": "x"})
+    assert (other.rates("b", "m").prefill_tps, other.rates("b", "m").gen_tps) == (0.0, 0.0)
