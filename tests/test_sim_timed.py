@@ -3,12 +3,20 @@ simulator reports when it is given per-token times."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import aiohttp
 import pytest
 
 from crossbar.learn import RateLearner
-from llamasim import SimConfig, SimServer
+from llamasim import SimConfig, SimServer, chat_prompt
 from llamasim.timed import ConversationCache, TimedHost, TimedRequest, TimeModel, VirtualClock
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
 
 MODEL = TimeModel(prefill_tps=1_000.0, gen_tps=100.0, slots=1)
 
@@ -147,3 +155,31 @@ async def test_http_sim_reports_timings_of_its_time_model() -> None:
     assert t["prompt_ms"] == pytest.approx(t["prompt_n"] * 0.05)
     assert t["prompt_per_second"] == pytest.approx(20_000.0)
     assert (t["predicted_n"], t["predicted_ms"]) == (20, pytest.approx(40.0))
+
+
+async def test_http_sim_queues_like_the_virtual_model() -> None:
+    """Two requests on one slot: the virtual model's finish times match the HTTP simulator's
+    (real sleeps; generous bounds for a shared machine)."""
+    cfg = SimConfig(models=["m"], ctx=8192, n_slots=1, prompt_ms_per_token=0.1, token_ms=4.0)
+    bodies: list[dict[str, Any]] = [{"messages": [{"role": "user", "content": c * 1_000}], "max_tokens": 50}
+                                    for c in "ab"]
+    clock, done = VirtualClock(), []
+    rates = TimeModel(prefill_tps=1e3 / cfg.prompt_ms_per_token, gen_tps=1e3 / cfg.token_ms)
+    host = TimedHost("h", clock, rates)
+    for c, body in zip("ab", bodies, strict=True):
+        serve(host, c, len(chat_prompt(body["messages"])), 50, done)
+    clock.run()
+    async with SimServer(cfg) as sim, aiohttp.ClientSession() as http:
+        t0 = loop_time()
+
+        async def finish(body: dict[str, Any]) -> float:
+            async with http.post(sim.url + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+            return loop_time() - t0
+
+        measured = await asyncio.gather(*(finish(b) for b in bodies))
+    predicted = [r.finished for r in done]
+    assert predicted == pytest.approx([0.3019, 0.6038])  # 1,019 prompt tokens at 0.1 ms + 50 at 4 ms
+    first, second = sorted(measured)
+    assert first >= predicted[0] * 0.95 and second >= predicted[1] * 0.95  # queued, not in parallel
+    assert second <= predicted[1] + 1.5
