@@ -122,6 +122,7 @@ class Config:
     mitmweb_keep_flows: int = 500
     yield_factor: float = DEFAULT_YIELD_FACTOR  # 0: a busy host's turns never move
 
+
 # Features parsed and validated now but refused by `check_supported` until they work.
 # Later work removes a name here once its feature is implemented.
 NOT_YET_SUPPORTED: set[str] = {"yield_factor"}
