@@ -228,7 +228,7 @@ async def test_dashboard_shows_hosts_then_leases_and_usage_after_traffic(tmp_pat
         lease = proxy.router.leases.leases_of("webapp")[0]
         leases = after.rows("leases", "fp")
         assert leases[lease.key.fp][:3] == ["webapp", "m", lease.host]
-        assert leases[lease.key.fp][3] == lease.key.fp[:10]
+        assert leases[lease.key.fp][3:5] == ["fingerprint", lease.key.fp[:10]]
         usage = after.rows("usage", "usage")
         assert usage["webapp"][1] == "3" and usage["odd"][1] == "1"
         assert usage["webapp"][6].endswith("%")  # cache hit of the later turns
