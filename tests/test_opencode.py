@@ -1,6 +1,6 @@
 """The README's OpenCode recipe with the real OpenCode 1.18.33 binary: its wrapper names the route,
 its provider snippet is the whole `opencode.json`, and `opencode run` then `opencode run --continue`
-go through crossbar to simulated llama-servers.
+go through crossbar to simulated llama-servers; without the wrapper OpenCode gets crossbar's 404.
 
 Skipped unless the binary is installed (about 185 MB):
     npm install --prefix ~/.cache/crossbar-opencode opencode-ai@1.18.33
@@ -45,9 +45,12 @@ def opencode_home(home: Path, proxy_url: str) -> dict[str, str]:
             **{k: str(home / v) for k, v in xdg.items()}}
 
 
-async def opencode_run(rc: Path, project: Path, env: dict[str, str], *args: str) -> str:
-    """`opencode run ARGS` typed in `project` by a user whose shell rc holds the README's wrapper."""
-    script = f'. "{rc}"; cd "$1"; shift; opencode run "$@"'
+async def opencode_run(rc: Path | None, project: Path, env: dict[str, str], *args: str,
+                       status: int = 0) -> tuple[str, str]:
+    """`opencode run ARGS` typed in `project` by a user whose shell rc holds the README's wrapper
+    (without it when `rc` is None); stdout and stderr."""
+    wrapper = f'. "{rc}"; ' if rc else ""
+    script = wrapper + 'cd "$1"; shift; opencode run "$@"'
     proc = await asyncio.create_subprocess_exec(
         "bash", "-c", script, "bash", str(project), *args, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -57,8 +60,8 @@ async def opencode_run(rc: Path, project: Path, env: dict[str, str], *args: str)
         proc.kill()
         await proc.wait()
         raise
-    assert proc.returncode == 0, err.decode(errors="replace")[-3000:]
-    return out.decode(errors="replace")
+    assert proc.returncode == status, err.decode(errors="replace")[-3000:]
+    return out.decode(errors="replace"), err.decode(errors="replace")
 
 
 async def test_opencode_run_and_continue_stay_on_one_session_lease(tmp_path: Path) -> None:
@@ -80,6 +83,9 @@ async def test_opencode_run_and_continue_stay_on_one_session_lease(tmp_path: Pat
             first = len(await request_rows(proxy))
             await opencode_run(rc, project, env, "--continue", "say more")
             rows = await request_rows(proxy)
+            _, unset = await opencode_run(None, project, env, "say hello", status=1)  # no wrapper
+            assert len(await request_rows(proxy)) == len(rows)  # nothing was forwarded
+    assert "no route: put the route in the path" in unset
     assert first >= 2 and len(rows) > first  # the title and the main request, then a later turn
     assert {r.route for r in rows} == {"opencode-My-Shop"}
     assert {key_kind(r.fp) for r in rows} == {KeyKind.SESSION} and len({r.fp for r in rows}) == 1

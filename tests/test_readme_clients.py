@@ -106,11 +106,16 @@ def test_the_provider_snippet_is_valid_json_with_the_models_limit() -> None:
 
 
 def opencode_options(snippet: str, proxy: Proxy, route: str | None) -> dict[str, Any]:
-    """The provider options as OpenCode 1.18.33 reads them: `{env:VAR}` becomes the variable's
-    value, or nothing when it is unset; then the text is parsed."""
+    """The provider options as OpenCode 1.18.33 uses them: `{env:VAR}` becomes the variable's
+    value, or nothing when it is unset; then the text is parsed. It requests a base URL with an
+    empty path segment without it (`/{env:CROSSBAR_ROUTE}/v1` unset asks for `/v1/...`), as
+    `test_opencode.py` sees with the real binary."""
     text = snippet.replace("{env:CROSSBAR_ROUTE}", route or "").replace(PLACEHOLDER, proxy.url)
     parsed = json.loads(text if text.lstrip().startswith("{") else "{" + text + "}")  # whole file or part
-    return parsed["provider"]["crossbar"]["options"] if "provider" in parsed else parsed["options"]
+    options = parsed["provider"]["crossbar"]["options"] if "provider" in parsed else parsed["options"]
+    origin, _, path = options["baseURL"].partition("://")[2].partition("/")
+    options["baseURL"] = f"http://{origin}/" + "/".join(seg for seg in path.split("/") if seg)
+    return options
 
 
 def recorded_requests(model: str, max_tokens: int) -> list[tuple[dict[str, str], dict[str, Any]]]:
@@ -160,7 +165,7 @@ async def test_opencode_through_the_readme_provider(tmp_path: Path, snippet: str
         status, answer = await post(unset["baseURL"] + "/chat/completions",
                                     {**main[0], **unset.get("headers", {})}, main[1])
         rows = await request_rows(proxy)
-    assert status == 404 and "no route" in answer["error"]["message"]
+    assert status == 404 and answer["error"]["message"].startswith("no route: put the route in the path")
     session = dict(main[0])["x-session-id"]
     assert [(r.route, r.fp, r.decision) for r in rows] == [
         ("opencode-My-Shop", session_fp(session), "new"),
