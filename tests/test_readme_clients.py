@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from harness import ROOT, HostSpec, Proxy, crossbar_proxy, request_rows, sim_fleet, write_config
+from test_sessions import MAIN, TITLE, replayed
 
 from crossbar.config import parse_config
 from crossbar.request import match_route, valid_route_name
@@ -30,8 +31,6 @@ from llamasim import SimConfig
 README = (ROOT / "README.md").read_text()
 SECTION = README[README.index("## Pointing clients at it"):README.index("## Operating it")]
 PLACEHOLDER = "http://crossbar.<tailnet>:7777"
-RECORDING = ROOT / "tests" / "fixtures" / "clients" / "opencode-1.18.33-first-turn.jsonl"
-NOT_REPLAYED = frozenset({"host", "content-length", "connection", "accept-encoding"})
 
 
 def fenced(lang: str, containing: str) -> str:
@@ -120,12 +119,8 @@ def opencode_options(snippet: str, proxy: Proxy, route: str | None) -> dict[str,
 
 def recorded_requests(model: str, max_tokens: int) -> list[tuple[dict[str, str], dict[str, Any]]]:
     """OpenCode's title and main request, as it sends them for this provider's model."""
-    out = []
-    for line in RECORDING.read_text().splitlines():
-        record = json.loads(line)
-        headers = {k: v for k, v in record["headers"] if k.lower() not in NOT_REPLAYED}
-        out.append((headers, {**record["body"], "model": model, "max_tokens": max_tokens}))
-    return out
+    requests = (replayed(record, max_tokens=max_tokens) for record in (TITLE, MAIN))
+    return [(headers, {**body, "model": model}) for headers, body in requests]
 
 
 @asynccontextmanager
