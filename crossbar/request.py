@@ -183,7 +183,7 @@ def resolve(
         route = _route_or_404(header_route, routes)
         upstream = path
     else:
-        if path.startswith("//"):  # e.g. a base URL ".../{env:CROSSBAR_ROUTE}/v1" with the variable unset
+        if path.startswith("//"):  # e.g. curl ".../$ROUTE/v1/..." with the variable unset
             raise not_found(EMPTY_ROUTE)
         name, _, rest = path[1:].partition("/")
         route = _route_or_404(name, routes)
