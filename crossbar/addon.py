@@ -26,7 +26,7 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.connection import Client
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from crossbar import errors
+from crossbar import errors, session
 from crossbar import request as req
 from crossbar.admin import Admin, is_admin_path
 from crossbar.app import Router
@@ -267,7 +267,12 @@ class Crossbar:
             return Exchange(route=route, key=Key(route.name, "", model), path=resolved.upstream_path,
                             completion=False)
         peek = req.peek_body(r.raw_content, resolved.path, route.default_model, self.cfg.max_body)
-        fp = peek.fingerprint if route.affinity == "conversation" else ""
+        try:
+            fp = session.conversation_fp(route, r.headers.get_all, peek.fingerprint)
+        except CrossbarError:
+            assert self.router is not None
+            self.router.metrics.rejected.labels("session_id").inc()
+            raise
         return Exchange(
             route=route, key=Key(route.name, fp, peek.model), path=resolved.upstream_path,
             completion=True, stream=peek.stream, prompt_bytes=peek.prompt_bytes,

@@ -23,6 +23,7 @@ from crossbar.errors import CrossbarError
 from crossbar.lease import UnknownHost
 from crossbar.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from crossbar.request import match_route
+from crossbar.session import key_kind
 
 PREFIX = "/_crossbar"
 READ_FLUSH_TIMEOUT = 2.0  # a failing database must not hold the admin API longer than this
@@ -125,6 +126,7 @@ class Admin:
         for lease in r.leases.snapshot():
             by_route.setdefault(lease.key.route, []).append({
                 "fp": lease.key.fp,
+                "key": key_kind(lease.key.fp),
                 "model": lease.key.model,
                 "host": lease.host,
                 "state": lease.state,
@@ -199,7 +201,7 @@ class Admin:
             raise errors.bad_request("'limit' must be a number") from None
         rows = await asyncio.to_thread(self._read, self.router.store.lease_events, limit)
         return [
-            {"ts": rfc3339(e.ts), "route": e.route, "fp": e.fp, "model": e.model,
+            {"ts": rfc3339(e.ts), "route": e.route, "fp": e.fp, "key": key_kind(e.fp), "model": e.model,
              "from": e.from_host or "", "to": e.to_host or "", "reason": e.reason}
             for e in rows
         ]

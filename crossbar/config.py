@@ -80,6 +80,11 @@ class HostConf:
         return model in self.models
 
 
+# Request headers whose value names the client's session (OpenCode sends both), in priority order.
+DEFAULT_SESSION_HEADERS = ("x-session-affinity", "x-session-id")
+MAX_SESSION_HEADERS = 8
+
+
 @dataclass(frozen=True, slots=True)
 class RouteConf:
     """One route (or route template, when the name has a `*`) from `[routes.<name>]`."""
@@ -93,6 +98,7 @@ class RouteConf:
     queue: bool = True
     peers: tuple[str, ...] = ()
     yield_factor: float | None = None  # None: the top-level `yield_factor`
+    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS  # lower case; () turns sessions off
 
     @property
     def is_template(self) -> bool:
@@ -144,8 +150,10 @@ _HOST_KEYS = frozenset({"base_url", "weight", "models", "wake"})
 _MODEL_KEYS = frozenset({"parallel", "ctx"})
 _WAKE_KEYS = frozenset({"mac", "broadcast", "wait"})
 _ROUTE_KEYS = frozenset(
-    {"hosts", "default_model", "pin", "listen", "affinity", "queue", "peers", "yield_factor"}
+    {"hosts", "default_model", "pin", "listen", "affinity", "queue", "peers", "yield_factor",
+     "session_headers"}
 )
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")  # an HTTP field name (token)
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -576,6 +584,21 @@ def _route_peers(value: object, key: str, ctx: _RouteContext) -> tuple[str, ...]
     return _str_list(value, key)
 
 
+def _session_headers(value: object, key: str) -> tuple[str, ...]:
+    """Header names, matched case-insensitively; an empty array turns session keys off."""
+    if isinstance(value, list | tuple) and not value:
+        return ()
+    names = tuple(name.lower() for name in _str_list(value, key))
+    if len(names) > MAX_SESSION_HEADERS:
+        raise _fail(key, f"at most {MAX_SESSION_HEADERS} header names")
+    for name in names:
+        if not _HEADER_NAME.fullmatch(name):
+            raise _fail(key, f"{name[:70]!r} is not an HTTP header name")
+    if len(set(names)) < len(names):
+        raise _fail(key, "a header is listed twice")
+    return names
+
+
 def _check_route_name(name: str, key: str) -> None:
     if name in RESERVED_ROUTE_NAMES:
         raise _fail(key, f"{name!r} is reserved (it is one of crossbar's own paths)")
@@ -599,8 +622,11 @@ def _parse_route(name: str, value: object, ctx: _RouteContext) -> RouteConf:
         "queue": _bool,
         "peers": lambda v, k: _route_peers(v, k, ctx),
         "yield_factor": _yield_factor,
+        "session_headers": _session_headers,
     }
     kwargs = {k: parse(table[k], _key(key, k)) for k, parse in parsers.items() if k in table}
+    if kwargs.get("affinity") == "route" and kwargs.get("session_headers"):
+        raise _fail(_key(key, "session_headers"), 'has no effect with affinity = "route"')
     return RouteConf(name=name, hosts=hosts, **kwargs)
 
 

@@ -47,6 +47,8 @@ BARE_PATHS: frozenset[str] = frozenset(path for _, path in ALLOWED)
 
 ROUTE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NO_ROUTE = "no route: put the route in the path (/<route>/v1/...) or in X-Crossbar-Route"
+EMPTY_ROUTE = ("no route: the path starts with an empty route name ('//'); is the variable that "
+               "should fill the route in the client's base URL set?")
 FINGERPRINT_BYTES = 4096
 SYSTEM_ROLES = frozenset({"system", "developer"})
 _SHOW_MAX = 130  # longest untrusted text quoted in an error message
@@ -181,6 +183,8 @@ def resolve(
         route = _route_or_404(header_route, routes)
         upstream = path
     else:
+        if path.startswith("//"):  # e.g. curl ".../$ROUTE/v1/..." with the variable unset
+            raise not_found(EMPTY_ROUTE)
         name, _, rest = path[1:].partition("/")
         route = _route_or_404(name, routes)
         upstream = "/" + rest

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from harness import HostSpec, Proxy, conversation, crossbar_proxy, sim_fleet, write_config
 
+from crossbar.session import session_fp
 from llamasim import SimConfig
 
 XSS_MODEL = '<img src=x id="xss" onerror="document.title=1">'
@@ -113,9 +114,10 @@ async def dashboard_fleet(tmp_path: Path) -> AsyncIterator[Proxy]:
             yield proxy
 
 
-async def chat(proxy: Proxy, route: str, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+async def chat(proxy: Proxy, route: str, messages: list[dict[str, str]],
+               headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s, s.post(
-        f"{proxy.url}/{route}/v1/chat/completions", json={"messages": messages, **extra}
+        f"{proxy.url}/{route}/v1/chat/completions", json={"messages": messages, **extra}, headers=headers
     ) as resp:
         assert resp.status == 200, await resp.text()
         return await resp.json()
@@ -221,16 +223,20 @@ async def test_dashboard_shows_hosts_then_leases_and_usage_after_traffic(tmp_pat
         for turn in conversation("dash", 3):
             await chat(proxy, "webapp", turn)
         await chat(proxy, "odd", conversation("xss", 1)[0])
+        await chat(proxy, "webapp", conversation("named", 1)[0], headers={"x-session-id": "ses_dash"})
         await asyncio.to_thread(proxy.router.store.flush)
 
         dom = await rendered_dom(proxy, tmp_path)
         after = Tables(dom)
-        lease = proxy.router.leases.leases_of("webapp")[0]
+        lease, named = proxy.router.leases.leases_of("webapp")  # sorted: a bare hash before "s:…"
         leases = after.rows("leases", "fp")
         assert leases[lease.key.fp][:3] == ["webapp", "m", lease.host]
-        assert leases[lease.key.fp][3] == lease.key.fp[:10]
+        assert leases[lease.key.fp][3:5] == ["fingerprint", lease.key.fp[:10]]
+        assert named.key.fp == session_fp("ses_dash")
+        assert leases[named.key.fp][3:5] == ["session", named.key.fp[2:12]]
+        assert "ses_dash" not in dom
         usage = after.rows("usage", "usage")
-        assert usage["webapp"][1] == "3" and usage["odd"][1] == "1"
+        assert usage["webapp"][1] == "4" and usage["odd"][1] == "1"
         assert usage["webapp"][6].endswith("%")  # cache hit of the later turns
         assert "new" in after.rows("events", "event")
 

@@ -98,7 +98,7 @@ def test_resolve_template_keeps_template_settings() -> None:
         ("GET", "/opencode-a/%2e%2e/health", None, "path not allowed: GET /%2e%2e/health"),
         ("GET", "/../health", None, "unknown route '..'"),
         ("GET", "/./health", None, "unknown route '.'"),
-        ("POST", "//v1/chat/completions", None, "unknown route ''"),
+        ("POST", "//v1/chat/completions", None, "empty route name ('//'); is the variable"),
         ("POST", "", None, "path not allowed"),
         ("POST", "v1/chat/completions", "opencode-a", "path not allowed"),
         ("POST", "*", None, "path not allowed"),
