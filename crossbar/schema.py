@@ -1,0 +1,114 @@
+"""The tables crossbar keeps (SQLModel): the lease table, lease events, and the accounting log.
+
+Request bodies are never stored: no table has a body column.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from sqlalchemy import REAL, Index, Table
+from sqlmodel import Field, SQLModel
+
+
+class LeaseRow(SQLModel, table=True):
+    """One lease; a route pin is a row with fp = "" and model = "" and state = "pinned"."""
+
+    __tablename__ = "leases"
+
+    route: str = Field(primary_key=True)
+    fp: str = Field(primary_key=True)
+    model: str = Field(primary_key=True)
+    host: str
+    state: str  # "active" | "pinned"
+    created: float = Field(sa_type=REAL)
+    last_used: float = Field(sa_type=REAL)
+
+
+class LeaseEventRow(SQLModel, table=True):
+    """Why a session moved (new|unhealthy|idle|pin|release|drain|retried...)."""
+
+    __tablename__ = "lease_events"
+    __table_args__ = ({"sqlite_autoincrement": True},)
+
+    id: int | None = Field(default=None, primary_key=True)
+    ts: float = Field(sa_type=REAL, index=True)
+    route: str
+    fp: str
+    model: str
+    from_host: str | None = None
+    to_host: str | None = None
+    reason: str
+
+
+class RequestRow(SQLModel, table=True):
+    """One proxied request. Absent token figures are NULL, never 0."""
+
+    __tablename__ = "requests"
+    __table_args__ = (
+        Index("ix_requests_route_started", "route", "started"),
+        Index("ix_requests_host_started", "host", "started"),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    route: str
+    fp: str
+    model: str
+    host: str | None = None
+    started: float = Field(sa_type=REAL, index=True)
+    queued_ms: int
+    ttfb_ms: int | None = None
+    total_ms: int
+    status: int | None = None
+    streamed: bool
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    err: str | None = None
+    decision: str | None = None  # reused|new|inherited|pinned|moved:unhealthy|moved:idle|retried
+
+
+class HostHealthRow(SQLModel, table=True):
+    """One poller observation of a host."""
+
+    __tablename__ = "host_health"
+
+    id: int | None = Field(default=None, primary_key=True)
+    ts: float = Field(sa_type=REAL, index=True)
+    host: str
+    healthy: bool
+    loaded_models: str  # JSON list
+
+
+class RequestDailyRow(SQLModel, table=True):
+    """Per-day rollup of `requests` (host and decision "" when NULL), filled by `Store.rollup`."""
+
+    __tablename__ = "requests_daily"
+
+    day: str = Field(primary_key=True)  # YYYY-MM-DD, UTC
+    route: str = Field(primary_key=True)
+    model: str = Field(primary_key=True)
+    host: str = Field(primary_key=True)
+    decision: str = Field(default="", primary_key=True)
+    requests: int = 0
+    errors: int = 0
+    busy_ms: int = 0
+    queued_ms: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def _table(model: type[SQLModel]) -> Table:
+    return cast(Table, model.__table__)  # type: ignore[attr-defined]
+
+
+LEASES = _table(LeaseRow)
+EVENTS = _table(LeaseEventRow)
+REQUESTS = _table(RequestRow)
+HEALTH = _table(HostHealthRow)
+DAILY = _table(RequestDailyRow)
+TABLES = [LEASES, EVENTS, REQUESTS, HEALTH, DAILY]
+
+SUMMED = ("busy_ms", "queued_ms", "prompt_tokens", "cached_tokens", "completion_tokens")
