@@ -1,14 +1,24 @@
-"""The tables crossbar keeps (SQLModel): the lease table, lease events, and the accounting log.
+"""The tables crossbar keeps (SQLModel): the lease table, lease events and the accounting log.
 
-Request bodies are never stored: no table has a body column.
+The same tables on SQLite and PostgreSQL; their versions are Alembic revisions in
+`crossbar/migrations/versions` (a change here needs a new revision there). Request bodies are never
+stored: no table has a body column.
 """
 
 from __future__ import annotations
 
 from typing import cast
 
-from sqlalchemy import REAL, Index, Table
+from sqlalchemy import REAL, BigInteger, Index, Integer, Table
+from sqlalchemy.dialects.postgresql import DOUBLE_PRECISION
 from sqlmodel import Field, SQLModel
+
+# Unix time in seconds: REAL on SQLite (as it always was), double precision on PostgreSQL (its REAL
+# is single precision, two minutes of resolution at today's epoch).
+EPOCH = REAL().with_variant(DOUBLE_PRECISION(), "postgresql")
+# Counters and sums: 64 bits on PostgreSQL; SQLite's INTEGER is 64 bits already (and an INTEGER
+# PRIMARY KEY must stay spelled that way to be the rowid).
+BIGINT = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class LeaseRow(SQLModel, table=True):
@@ -21,8 +31,8 @@ class LeaseRow(SQLModel, table=True):
     model: str = Field(primary_key=True)
     host: str
     state: str  # "active" | "pinned"
-    created: float = Field(sa_type=REAL)
-    last_used: float = Field(sa_type=REAL)
+    created: float = Field(sa_type=EPOCH)
+    last_used: float = Field(sa_type=EPOCH)
 
 
 class LeaseEventRow(SQLModel, table=True):
@@ -31,8 +41,8 @@ class LeaseEventRow(SQLModel, table=True):
     __tablename__ = "lease_events"
     __table_args__ = ({"sqlite_autoincrement": True},)
 
-    id: int | None = Field(default=None, primary_key=True)
-    ts: float = Field(sa_type=REAL, index=True)
+    id: int | None = Field(default=None, primary_key=True, sa_type=BIGINT)
+    ts: float = Field(sa_type=EPOCH, index=True)
     route: str
     fp: str
     model: str
@@ -51,12 +61,12 @@ class RequestRow(SQLModel, table=True):
         {"sqlite_autoincrement": True},
     )
 
-    id: int | None = Field(default=None, primary_key=True)
+    id: int | None = Field(default=None, primary_key=True, sa_type=BIGINT)
     route: str
     fp: str
     model: str
     host: str | None = None
-    started: float = Field(sa_type=REAL, index=True)
+    started: float = Field(sa_type=EPOCH, index=True)
     queued_ms: int
     ttfb_ms: int | None = None
     total_ms: int
@@ -74,8 +84,8 @@ class HostHealthRow(SQLModel, table=True):
 
     __tablename__ = "host_health"
 
-    id: int | None = Field(default=None, primary_key=True)
-    ts: float = Field(sa_type=REAL, index=True)
+    id: int | None = Field(default=None, primary_key=True, sa_type=BIGINT)
+    ts: float = Field(sa_type=EPOCH, index=True)
     host: str
     healthy: bool
     loaded_models: str  # JSON list
@@ -91,13 +101,13 @@ class RequestDailyRow(SQLModel, table=True):
     model: str = Field(primary_key=True)
     host: str = Field(primary_key=True)
     decision: str = Field(default="", primary_key=True)
-    requests: int = 0
-    errors: int = 0
-    busy_ms: int = 0
-    queued_ms: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
+    requests: int = Field(default=0, sa_type=BIGINT)
+    errors: int = Field(default=0, sa_type=BIGINT)
+    busy_ms: int = Field(default=0, sa_type=BIGINT)
+    queued_ms: int = Field(default=0, sa_type=BIGINT)
+    prompt_tokens: int = Field(default=0, sa_type=BIGINT)
+    cached_tokens: int = Field(default=0, sa_type=BIGINT)
+    completion_tokens: int = Field(default=0, sa_type=BIGINT)
 
 
 def _table(model: type[SQLModel]) -> Table:

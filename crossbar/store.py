@@ -28,12 +28,11 @@ from sqlalchemy import (
     Engine,
     Integer,
     Select,
+    String,
     Table,
     bindparam,
     case,
-    create_engine,
     delete,
-    event,
     func,
     insert,
     literal,
@@ -41,12 +40,16 @@ from sqlalchemy import (
     select,
     union_all,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
-from sqlalchemy.pool import NullPool
-from sqlmodel import Session, SQLModel
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+from sqlmodel import Session
 
+from crossbar import backend
+from crossbar.backend import Database, DatabaseError, parse_db
 from crossbar.schema import (
     DAILY,
     EVENTS,
@@ -54,7 +57,6 @@ from crossbar.schema import (
     LEASES,
     REQUESTS,
     SUMMED,
-    TABLES,
     LeaseEventRow,
     LeaseRow,
     RequestRow,
@@ -63,7 +65,6 @@ from crossbar.writebehind import Op, WriteBehind, one_line
 
 log = logging.getLogger("crossbar.store")
 
-BUSY_TIMEOUT_MS = 2000
 USAGE_KEYS = ("route", "model", "host", "decision")
 # request and health rows may be shed under pressure; leases, lease events and rollups never are
 _DROPPABLE = ("request", "health")
@@ -82,8 +83,31 @@ _NULLABLE_STR_COLUMNS = ("host", "err", "decision")
 # statements
 
 
-def _lease_upsert() -> Any:
-    stmt = sqlite_insert(LEASES)
+class _utc_day(FunctionElement[str]):
+    """The UTC day (YYYY-MM-DD) of a Unix time, in either dialect."""
+
+    type = String()
+    inherit_cache = True
+
+
+@compiles(_utc_day, "sqlite")
+def _utc_day_sqlite(element: _utc_day, compiler: Any, **kw: Any) -> str:
+    return f"date({compiler.process(element.clauses, **kw)}, 'unixepoch')"
+
+
+@compiles(_utc_day, "postgresql")
+def _utc_day_postgresql(element: _utc_day, compiler: Any, **kw: Any) -> str:
+    started = compiler.process(element.clauses, **kw)
+    return f"to_char(to_timestamp({started}) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+
+
+def _insert(conn: Connection, table: Table) -> Any:
+    """INSERT with the dialect's ON CONFLICT support."""
+    return pg_insert(table) if conn.dialect.name == "postgresql" else sqlite_insert(table)
+
+
+def _lease_upsert(conn: Connection) -> Any:
+    stmt = _insert(conn, LEASES)
     return stmt.on_conflict_do_update(
         index_elements=["route", "fp", "model"],
         set_={c: stmt.excluded[c] for c in ("host", "state", "created", "last_used")},
@@ -104,7 +128,7 @@ def _is_error(t: Table) -> ColumnElement[int]:
 
 
 def _day_of(started: ColumnElement[Any]) -> ColumnElement[str]:
-    return func.date(started, "unixepoch")
+    return _utc_day(started)
 
 
 def _key_column(t: Table, key: str) -> ColumnElement[str]:
@@ -113,6 +137,7 @@ def _key_column(t: Table, key: str) -> ColumnElement[str]:
 
 
 _DAILY_KEYS = ("route", "model", "host", "decision")
+_USAGE_SUMS = ("requests", "errors", *SUMMED)
 
 
 def _requests_rollup(older_than: float) -> Select[Any]:
@@ -135,9 +160,9 @@ def _requests_rollup(older_than: float) -> Select[Any]:
     )
 
 
-def _daily_upsert(older_than: float) -> Any:
+def _daily_upsert(conn: Connection, older_than: float) -> Any:
     cols = ["day", *_DAILY_KEYS, "requests", "errors", *SUMMED]
-    stmt = sqlite_insert(DAILY).from_select(cols, _requests_rollup(older_than))
+    stmt = _insert(conn, DAILY).from_select(cols, _requests_rollup(older_than))
     added = ["requests", "errors", *SUMMED]
     return stmt.on_conflict_do_update(
         index_elements=["day", *_DAILY_KEYS],
@@ -173,79 +198,8 @@ def _daily_usage(key: str, since: float) -> Select[Any]:
 
 def _usage(key: str, since: float) -> Select[Any]:
     both = union_all(_request_usage(key, since), _daily_usage(key, since)).subquery()
-    sums = [func.coalesce(func.sum(both.c[c]), literal(0)).label(c) for c in ("requests", "errors", *SUMMED)]
-    return select(both.c.key, *sums).group_by(both.c.key).order_by(both.c.key)
-
-
-# ---------------------------------------------------------------------------------------------
-# engines
-
-
-def _on_writer_connect(dbapi_conn: Any, _record: Any) -> None:
-    dbapi_conn.isolation_level = None  # SQLAlchemy's "begin" hook emits BEGIN IMMEDIATE instead
-    cur = dbapi_conn.cursor()
-    cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    cur.execute("PRAGMA synchronous = NORMAL")
-    cur.close()
-
-
-def _on_writer_begin(conn: Connection) -> None:
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-
-def _on_reader_connect(dbapi_conn: Any, _record: Any) -> None:
-    cur = dbapi_conn.cursor()
-    cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    cur.execute("PRAGMA query_only = ON")
-    cur.close()
-
-
-def _engine(url: URL, **kw: Any) -> Engine:
-    args = {"timeout": BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}
-    return create_engine(url, connect_args=args, **kw)
-
-
-def _writer_engine(url: URL) -> Engine:
-    engine = _engine(url, pool_size=1, max_overflow=4)
-    event.listen(engine, "connect", _on_writer_connect)
-    event.listen(engine, "begin", _on_writer_begin)
-    return engine
-
-
-def _reader_engine(url: URL) -> Engine:
-    engine = _engine(url)
-    event.listen(engine, "connect", _on_reader_connect)
-    return engine
-
-
-def _create_schema(url: URL) -> None:
-    """Create the tables and switch the file to WAL; raises SQLAlchemyError."""
-    engine = _engine(url, poolclass=NullPool)
-    try:
-        with engine.connect() as conn:
-            mode = conn.exec_driver_sql("PRAGMA journal_mode = WAL").scalar()
-            if str(mode).lower() != "wal":
-                raise OperationalError("PRAGMA journal_mode = WAL", {}, Exception(f"journal mode {mode}"))
-        SQLModel.metadata.create_all(engine, tables=TABLES)
-        with engine.begin() as conn:
-            _add_daily_decision(conn)
-    finally:
-        engine.dispose()
-
-
-def _add_daily_decision(conn: Connection) -> None:
-    """A `requests_daily` written before `decision` became part of its key: rebuild it, decision ""."""
-    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(requests_daily)")}
-    if "decision" in columns:
-        return
-    names = ", ".join(["day", "route", "model", "host", "requests", "errors", *SUMMED])
-    conn.exec_driver_sql("ALTER TABLE requests_daily RENAME TO requests_daily_old")
-    DAILY.create(conn)
-    conn.exec_driver_sql(
-        f"INSERT INTO requests_daily ({names}, decision) SELECT {names}, '' FROM requests_daily_old"
-    )
-    conn.exec_driver_sql("DROP TABLE requests_daily_old")
-    log.info("store: requests_daily now keeps the lease decision of its rows")
+    sums = [func.coalesce(func.sum(both.c[c]), literal(0)).label(c) for c in _USAGE_SUMS]
+    return select(both.c.key, *sums).group_by(both.c.key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,13 +240,18 @@ class Store:
     """The SQLite-backed store; see the module docstring."""
 
     def __init__(
-        self, path: str, *, max_pending: int = 1_000_000, clock: Callable[[], float] = time.time
+        self, db: str, *, max_pending: int = 1_000_000, clock: Callable[[], float] = time.time
     ) -> None:
-        self.path = str(Path(path).expanduser())
+        try:
+            self.db: Database | None = parse_db(db)
+        except DatabaseError as exc:
+            self.db, self._bad_db = None, str(exc)
+        self.path = self.db.path if self.db else ""  # the SQLite file ("" for PostgreSQL)
+        self.label = self.db.label if self.db else db  # for log lines: never a password
         self.clock = clock
         self.last_rollup = 0
         self._queue = WriteBehind(
-            self, name=self.path, droppable=_DROPPABLE, max_pending=max_pending, log=log
+            self, name=self.label, droppable=_DROPPABLE, max_pending=max_pending, log=log
         )
         self._writer: Engine | None = None
         self._reader: Engine | None = None
@@ -322,28 +281,34 @@ class Store:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def _url(self) -> URL:
-        return URL.create("sqlite", database=self.path)
+    def _writer_url(self) -> URL | None:
+        """The writer's database URL when it is not the database's own; tests replace it (e.g. with
+        SQLite's `mode=ro`) to make writes fail."""
+        return None
 
-    def _writer_url(self) -> URL:
-        """The writer's database URL; tests replace it (e.g. with `mode=ro`) to make writes fail."""
-        return self._url()
+    @property
+    def postgres(self) -> bool:
+        return self.db is not None and self.db.postgres
 
     def open(self) -> None:
-        """Create the directory, tables and WAL mode; raise StoreError if the file is unusable."""
+        """Create the database (directory, private file, WAL for SQLite) and bring its schema to the
+        newest revision; raise StoreError (one line) when that is impossible."""
         if self._writer is not None:
             return
-        parent = Path(self.path).parent
+        if self.db is None:
+            raise StoreError(self._bad_db)
+        if not self.db.postgres:
+            parent = Path(self.path).parent
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"store: cannot create directory {parent}: {exc.strerror or exc}") from exc
         try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"store: cannot create directory {parent}: {exc.strerror or exc}") from exc
-        try:
-            _create_schema(self._url())
-        except SQLAlchemyError as exc:
-            raise StoreError(f"store: cannot open database {self.path}: {one_line(exc)}") from exc
-        self._writer = _writer_engine(self._writer_url())
-        self._reader = _reader_engine(self._url())
+            backend.prepare(self.db)
+        except (SQLAlchemyError, OSError) as exc:
+            raise StoreError(f"store: cannot open database {self.label}: {one_line(exc)}") from exc
+        self._writer = backend.writer_engine(self.db, self._writer_url())
+        self._reader = backend.reader_engine(self.db)
 
     def start(self) -> None:
         """Start the writer thread (daemon, "crossbar-store")."""
@@ -363,7 +328,7 @@ class Store:
             self.start()
         self._queue.stop(timeout)
         if self.pending:
-            log.warning("store: closed with %d operations not written to %s", self.pending, self.path)
+            log.warning("store: closed with %d operations not written to %s", self.pending, self.label)
         for engine in (self._writer, self._reader):
             if engine is not None:
                 engine.dispose()
@@ -423,7 +388,8 @@ class Store:
 
     def commit(self, ops: list[Op]) -> None:
         assert self._writer is not None
-        if not os.path.exists(self.path):  # deleted under an open connection, writes would vanish
+        if self.path and not os.path.exists(self.path):  # deleted under an open connection
+
             gone = sqlite3.OperationalError(f"database file {self.path} is gone")
             raise OperationalError("commit", None, gone)
         with self._writer.begin() as conn:
@@ -431,20 +397,19 @@ class Store:
 
     @staticmethod
     def transient(exc: Exception) -> bool:
-        """Locked, read-only, disk full, cannot open: retry; anything else is a refused operation."""
-        return isinstance(exc, OperationalError)
+        return backend.transient(exc)
 
     def recover(self, exc: Exception) -> None:
         """Drop pooled connections (the file may have been replaced); recreate a vanished file.
 
         A missing directory is not recreated (it may be an unmounted disk): rows wait for it.
         """
-        assert self._writer is not None
+        assert self._writer is not None and self.db is not None
         self._writer.dispose()
-        if "no such table" in one_line(exc) or not os.path.exists(self.path):
+        if "no such table" in one_line(exc) or (self.path and not os.path.exists(self.path)):
             try:
-                _create_schema(self._writer_url())
-            except SQLAlchemyError as again:
+                backend.prepare(self.db, self._writer_url())
+            except (SQLAlchemyError, OSError) as again:
                 log.debug("store: cannot recreate schema: %s", one_line(again))
 
     # -- applying a batch -----------------------------------------------------------------------
@@ -481,13 +446,13 @@ class Store:
         saves = [op.data for op in ops if op.kind == "lease"]
         deletes = [{f"k_{k}": v for k, v in op.data.items()} for op in ops if op.kind == "unlease"]
         if saves:
-            conn.execute(_lease_upsert(), saves)
+            conn.execute(_lease_upsert(conn), saves)
         if deletes:
             conn.execute(_lease_delete(), deletes)
 
     @staticmethod
     def _rollup(conn: Connection, older_than: float) -> int:
-        conn.execute(_daily_upsert(older_than))
+        conn.execute(_daily_upsert(conn, older_than))
         conn.execute(delete(HEALTH).where(HEALTH.c.ts < older_than))
         return conn.execute(delete(REQUESTS).where(REQUESTS.c.started < older_than)).rowcount
 
@@ -515,8 +480,9 @@ class Store:
 
     def leases(self) -> list[LeaseRow]:
         with self._session() as session:
-            stmt = select(LeaseRow).order_by(LEASES.c.route, LEASES.c.fp, LEASES.c.model)
-            return list(session.scalars(stmt))
+            rows = list(session.scalars(select(LeaseRow)))
+        # sorted here: PostgreSQL's collation need not order text the way SQLite's binary one does
+        return sorted(rows, key=lambda r: (r.route, r.fp, r.model))
 
     def lease_events(self, limit: int = 100) -> list[LeaseEventRow]:
         """The newest `limit` lease events, newest first."""
@@ -538,7 +504,10 @@ class Store:
         if by not in USAGE_KEYS:
             raise ValueError(f"usage: by must be one of {', '.join(USAGE_KEYS)}, not {by!r}")
         with self._session() as session:
-            return [dict(row._mapping) for row in session.execute(_usage(by, since))]
+            rows = session.execute(_usage(by, since)).all()
+        # PostgreSQL sums bigints as numeric: every backend answers plain ints, in binary key order
+        return sorted(({"key": key, **{c: int(v) for c, v in zip(_USAGE_SUMS, sums, strict=True)}}
+                       for key, *sums in rows), key=lambda r: r["key"])
 
     def host_uptime(self, since: float) -> dict[str, float]:
         """Share of healthy poller observations per host since `since`."""
@@ -547,7 +516,6 @@ class Store:
             select(h.c.host, func.avg(h.c.healthy.cast(Integer)))
             .where(h.c.ts >= since)
             .group_by(h.c.host)
-            .order_by(h.c.host)
         )
         with self._session() as session:
-            return {host: float(share) for host, share in session.execute(stmt)}
+            return {host: float(share) for host, share in sorted(session.execute(stmt))}

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import URL
 
-import crossbar.store as store_mod
+import crossbar.backend as backend_mod
 from crossbar.store import Store, StoreError
 
 DAY = 86400.0
@@ -77,7 +77,7 @@ def store(db_path: Path) -> Iterator[Store]:
 @pytest.fixture
 def fast_busy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A short busy timeout so lock tests see several failed attempts quickly."""
-    monkeypatch.setattr(store_mod, "BUSY_TIMEOUT_MS", 50)
+    monkeypatch.setattr(backend_mod, "BUSY_TIMEOUT_MS", 50)
 
 
 # -- schema -----------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def store_path(s: Store) -> Path:
 def test_locked_database_never_blocks_callers_and_nothing_is_lost(
     monkeypatch: pytest.MonkeyPatch, db_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(store_mod, "BUSY_TIMEOUT_MS", 1000)  # the writer waits 1 s per attempt
+    monkeypatch.setattr(backend_mod, "BUSY_TIMEOUT_MS", 1000)  # the writer waits 1 s per attempt
     caplog.set_level(logging.WARNING, logger="crossbar.store")
     store = Store(str(db_path))
     store.open()
@@ -451,3 +451,4 @@ def test_rollup_moves_rows_and_keeps_usage_totals(store: Store) -> None:
 
 def test_rollup_of_nothing(store: Store) -> None:
     assert store.rollup(T0) == 0
+
