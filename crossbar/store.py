@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -74,8 +76,14 @@ class StoreError(Exception):
     """The database cannot be opened or created at all (start-up fails with this one line)."""
 
 
-_INT_COLUMNS = ("queued_ms", "total_ms")
-_NULLABLE_INT_COLUMNS = ("ttfb_ms", "status", "prompt_tokens", "cached_tokens", "completion_tokens")
+# Sane ranges of a request's figures: a context of a hundred million tokens or a request of a week
+# is beyond any host crossbar fronts. Within them, sums stay exact far beyond any fleet's history.
+MAX_TOKENS = 100_000_000
+MAX_MS = 604_800_000
+MAX_DAILY = 2**53  # one day's sum of sane figures in requests_daily stays far below this
+_INT_COLUMNS = ("queued_ms", "total_ms")  # crossbar's own clock; NOT NULL
+_FIGURES = {"ttfb_ms": MAX_MS, "status": 599, "prompt_tokens": MAX_TOKENS, "cached_tokens": MAX_TOKENS,
+            "completion_tokens": MAX_TOKENS}
 _NULLABLE_STR_COLUMNS = ("host", "err", "decision")
 
 
@@ -131,6 +139,12 @@ def _day_of(started: ColumnElement[Any]) -> ColumnElement[str]:
     return _utc_day(started)
 
 
+def _safe_sum(column: ColumnElement[Any], high: int) -> ColumnElement[Any]:
+    """SUM over the values within [0, high]: rows an older crossbar stored with absurd figures (or
+    written by hand) are left out instead of overflowing the sum (SQLite raises on it)."""
+    return func.sum(case((column.between(0, high), column), else_=None))
+
+
 def _key_column(t: Table, key: str) -> ColumnElement[str]:
     """The grouping column of `requests` for a usage key; NULL host/decision group as ""."""
     return func.coalesce(t.c[key], "") if key in ("host", "decision") else t.c[key]
@@ -138,6 +152,14 @@ def _key_column(t: Table, key: str) -> ColumnElement[str]:
 
 _DAILY_KEYS = ("route", "model", "host", "decision")
 _USAGE_SUMS = ("requests", "errors", *SUMMED)
+# what `requests` contributes to each summed column, and the bound of a sane value
+_REQUEST_SUMS = {
+    "busy_ms": ("total_ms", MAX_MS),
+    "queued_ms": ("queued_ms", MAX_MS),
+    "prompt_tokens": ("prompt_tokens", MAX_TOKENS),
+    "cached_tokens": ("cached_tokens", MAX_TOKENS),
+    "completion_tokens": ("completion_tokens", MAX_TOKENS),
+}
 
 
 def _requests_rollup(older_than: float) -> Select[Any]:
@@ -149,11 +171,7 @@ def _requests_rollup(older_than: float) -> Select[Any]:
             *keys,
             func.count(),
             func.sum(_is_error(r)),
-            func.coalesce(func.sum(r.c.total_ms), 0),
-            func.coalesce(func.sum(r.c.queued_ms), 0),
-            func.coalesce(func.sum(r.c.prompt_tokens), 0),
-            func.coalesce(func.sum(r.c.cached_tokens), 0),
-            func.coalesce(func.sum(r.c.completion_tokens), 0),
+            *[func.coalesce(_safe_sum(r.c[col], high), 0) for col, high in _REQUEST_SUMS.values()],
         )
         .where(r.c.started < older_than)
         .group_by(_day_of(r.c.started), *keys)
@@ -178,11 +196,7 @@ def _request_usage(key: str, since: float) -> Select[Any]:
             col.label("key"),
             func.count().label("requests"),
             func.sum(_is_error(r)).label("errors"),
-            func.sum(r.c.total_ms).label("busy_ms"),
-            func.sum(r.c.queued_ms).label("queued_ms"),
-            func.sum(r.c.prompt_tokens).label("prompt_tokens"),
-            func.sum(r.c.cached_tokens).label("cached_tokens"),
-            func.sum(r.c.completion_tokens).label("completion_tokens"),
+            *[_safe_sum(r.c[col], high).label(name) for name, (col, high) in _REQUEST_SUMS.items()],
         )
         .where(r.c.started >= since)
         .group_by(col)
@@ -192,7 +206,7 @@ def _request_usage(key: str, since: float) -> Select[Any]:
 def _daily_usage(key: str, since: float) -> Select[Any]:
     d = DAILY
     day = datetime.fromtimestamp(since, UTC).strftime("%Y-%m-%d")
-    sums = [func.sum(d.c[c]).label(c) for c in ("requests", "errors", *SUMMED)]
+    sums = [_safe_sum(d.c[c], MAX_DAILY).label(c) for c in _USAGE_SUMS]
     return select(d.c[key].label("key"), *sums).where(d.c.day >= day).group_by(d.c[key])
 
 
@@ -210,30 +224,44 @@ def _lease_key(op: Op) -> tuple[str, str, str]:
     return (op.data["route"], op.data["fp"], op.data["model"])
 
 
-def _opt(value: Any, conv: Callable[[Any], Any]) -> Any:
-    return None if value is None else conv(value)
+def _figure(value: Any, low: int, high: int) -> int | None:
+    """A whole figure within [low, high], else None (unknown): an upstream's absurd usage
+    (2**70 tokens, 1e308, NaN) is never stored, so no sum of stored figures can overflow."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    figure = round(value)
+    return figure if low <= figure <= high else None
 
 
-def _ms(value: Any) -> int:
-    return round(value)
-
-
-def _request_values(row: dict[str, Any], now: float) -> dict[str, Any]:
-    """Normalise a request row at enqueue time so the writer never meets an unbindable value."""
+def _request_values(row: dict[str, Any], now: float) -> tuple[dict[str, Any], int]:
+    """Normalise a request row at enqueue time so the writer never meets an unbindable value; also
+    how many figures were out of range (stored as NULL, or 0 where the column cannot be NULL)."""
+    started = float(row.get("started", now))
     out: dict[str, Any] = {
         "route": str(row.get("route", "")),
         "fp": str(row.get("fp", "")),
         "model": str(row.get("model", "")),
-        "started": float(row.get("started", now)),
+        "started": started if math.isfinite(started) else now,
         "streamed": bool(row.get("streamed", False)),
     }
+    bad = 0 if math.isfinite(started) else 1
+    for col, high in _FIGURES.items():
+        raw = row.get(col)
+        out[col] = _figure(raw, 100 if col == "status" else 0, high)
+        bad += raw is not None and out[col] is None
+    prompt, cached = out["prompt_tokens"], out["cached_tokens"]
+    if cached is not None and prompt is not None and cached > prompt:
+        out["cached_tokens"], bad = None, bad + 1
     for col in _INT_COLUMNS:
-        out[col] = _ms(row.get(col) or 0)
-    for col in _NULLABLE_INT_COLUMNS:
-        out[col] = _opt(row.get(col), _ms)
+        raw = row.get(col) or 0
+        out[col] = _figure(raw, 0, MAX_MS)
+        if out[col] is None:
+            out[col], bad = 0, bad + 1
     for col in _NULLABLE_STR_COLUMNS:
-        out[col] = _opt(row.get(col), str)
-    return out
+        out[col] = None if row.get(col) is None else str(row[col])
+    return out, bad
 
 
 class Store:
@@ -250,6 +278,8 @@ class Store:
         self.label = self.db.label if self.db else db  # for log lines: never a password
         self.clock = clock
         self.last_rollup = 0
+        self.bad_figures = 0  # figures out of their sane range, stored as unknown
+        self._bad_lock = threading.Lock()
         self._queue = WriteBehind(
             self, name=self.label, droppable=_DROPPABLE, max_pending=max_pending, log=log
         )
@@ -368,12 +398,21 @@ class Store:
 
     def record_request(self, row: dict[str, Any]) -> None:
         try:
-            values = _request_values(row, self.clock())
-        except (TypeError, ValueError) as exc:
+            values, bad = _request_values(row, self.clock())
+        except (TypeError, ValueError, OverflowError) as exc:
             log.warning("store: request row not recorded: %s", exc)
             self._queue.count_dropped()
             return
+        if bad:
+            self._count_bad_figures(bad)
         self._queue.put("request", values)
+
+    def _count_bad_figures(self, n: int) -> None:
+        with self._bad_lock:
+            first = self.bad_figures == 0
+            self.bad_figures += n
+        if first:
+            log.warning("store: a request row had figures out of range; they are stored as unknown (NULL)")
 
     def record_health(self, ts: float, host: str, healthy: bool, loaded_models: Sequence[str]) -> None:
         models = json.dumps([str(m) for m in loaded_models])
@@ -454,11 +493,13 @@ class Store:
     def _rollup(conn: Connection, older_than: float) -> int:
         conn.execute(_daily_upsert(conn, older_than))
         conn.execute(delete(HEALTH).where(HEALTH.c.ts < older_than))
+        conn.execute(delete(EVENTS).where(EVENTS.c.ts < older_than))
         return conn.execute(delete(REQUESTS).where(REQUESTS.c.started < older_than)).rowcount
 
     def rollup(self, older_than: float) -> int:
         """Move `requests` rows older than `older_than` into `requests_daily`, in one transaction;
-        health observations that old are deleted (uptime covers at most the retention period).
+        health observations and lease events that old are deleted (uptime and the event log cover
+        at most the retention period).
 
         The synchronous implementation (tests call it directly); the proxy uses `schedule_rollup`.
         """

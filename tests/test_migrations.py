@@ -68,3 +68,30 @@ def test_a_database_from_before_schema_versions_upgrades_keeping_every_row(tmp_p
         store.close()
     version = sqlite3.connect(path).execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall()
     assert version == [(head_revision(),)]
+
+
+def test_upgrading_clears_absurd_figures_an_older_crossbar_stored(tmp_path: Path) -> None:
+    """Rows with figures no host can report made every sum overflow (usage answered 500, the
+    roll-up failed on every start): the upgrade stores them as unknown."""
+    path = tmp_path / "old.db"
+    restore(path)
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("UPDATE requests SET prompt_tokens = ?, completion_tokens = 1e308, ttfb_ms = -1"
+                     " WHERE route = 'r1'", (2**62,))
+        conn.execute("UPDATE requests_daily SET prompt_tokens = ?", (2**62,))
+    conn.close()
+    store = Store(str(path))
+    store.open()
+    store.start()
+    try:
+        [row] = [r for r in store.requests_since(0) if r.route == "r1"]
+        assert (row.prompt_tokens, row.completion_tokens, row.ttfb_ms) == (None, None, None)
+        assert row.cached_tokens == 100  # a sane figure stays
+        assert {r["key"]: r["prompt_tokens"] for r in store.usage(0, "route")} == {"r1": 0, "r2": 0}
+        store.schedule_rollup(T0 + 10)
+        store.save_lease("r9", "fp", "m1", "alpha", "active", T0, T0)
+        assert store.flush()
+        assert store.requests_since(0) == [] and [r.route for r in store.leases()][-1] == "r9"
+    finally:
+        store.close()
