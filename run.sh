@@ -72,11 +72,31 @@ ensure_chromium() {  # the dashboard test drives a headless browser: Debian's ch
   fi
 }
 
+has_postgresql() {  # initdb beside its server: on PATH, else Debian's versioned directory
+  local found
+  found=$(command -v initdb 2>/dev/null) && [ -x "$(dirname "$(readlink -f "$found")")/postgres" ] && return 0
+  for found in /usr/lib/postgresql/*/bin/initdb; do [ -x "$found" ] && return 0; done
+  return 1
+}
+
+ensure_postgresql() {  # the PostgreSQL tests start a throwaway cluster: Debian's postgresql package
+  if has_postgresql; then return 0; fi
+  local outcome="they will be skipped (CROSSBAR_PG_TESTS=1 makes them fail instead)"
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Debian's postgresql for the PostgreSQL tests"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null) \
+      || say "could not install postgresql; $outcome"
+  else
+    say "PostgreSQL is not installed and cannot be installed here; $outcome"
+  fi
+}
+
 case "${1:-}" in
   test)
     shift
     ensure_venv requirements-dev.txt
     ensure_chromium
+    ensure_postgresql
     "$VENV/bin/python" -m pytest "$@"
     ;;
   demo)
