@@ -1,4 +1,5 @@
-"""The tables crossbar keeps (SQLModel): the lease table, lease events and the accounting log.
+"""The tables crossbar keeps (SQLModel): the lease table, lease events, the accounting log, and the
+fleet-wide slot claims of instances that share one PostgreSQL database.
 
 The same tables on SQLite and PostgreSQL; their versions are Alembic revisions in
 `crossbar/migrations/versions` (a change here needs a new revision there). Request bodies are never
@@ -110,6 +111,20 @@ class RequestDailyRow(SQLModel, table=True):
     completion_tokens: int = Field(default=0, sa_type=BIGINT)
 
 
+class FleetSlotRow(SQLModel, table=True):
+    """A request running on `host` for `model`, claimed by one crossbar instance; the claim lapses at
+    `expires` (database clock) unless its instance renews it."""
+
+    __tablename__ = "fleet_slots"
+    __table_args__ = (Index("ix_fleet_slots_host_model", "host", "model"),)
+
+    token: str = Field(primary_key=True)
+    host: str
+    model: str
+    instance: str
+    expires: float = Field(sa_type=EPOCH)
+
+
 def _table(model: type[SQLModel]) -> Table:
     return cast(Table, model.__table__)  # type: ignore[attr-defined]
 
@@ -119,6 +134,7 @@ EVENTS = _table(LeaseEventRow)
 REQUESTS = _table(RequestRow)
 HEALTH = _table(HostHealthRow)
 DAILY = _table(RequestDailyRow)
-TABLES = [LEASES, EVENTS, REQUESTS, HEALTH, DAILY]
+SLOTS = _table(FleetSlotRow)
+TABLES = [LEASES, EVENTS, REQUESTS, HEALTH, DAILY, SLOTS]
 
 SUMMED = ("busy_ms", "queued_ms", "prompt_tokens", "cached_tokens", "completion_tokens")

@@ -20,6 +20,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    text,
     union_all,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -63,6 +65,7 @@ from crossbar.schema import (
     LeaseRow,
     RequestRow,
 )
+from crossbar.shared import CHANNEL, MAX_PAYLOAD, Change, SharedState
 from crossbar.writebehind import Op, WriteBehind, one_line
 
 log = logging.getLogger("crossbar.store")
@@ -285,6 +288,7 @@ class Store:
         )
         self._writer: Engine | None = None
         self._reader: Engine | None = None
+        self.shared: SharedState | None = None  # what instances sharing the database share; set by open()
         self._event_listeners: list[Callable[[str], None]] = []
 
     # -- the queue's counters -------------------------------------------------------------------
@@ -339,12 +343,15 @@ class Store:
             raise StoreError(f"store: cannot open database {self.label}: {one_line(exc)}") from exc
         self._writer = backend.writer_engine(self.db, self._writer_url())
         self._reader = backend.reader_engine(self.db)
+        self.shared = SharedState(self.db)
 
     def start(self) -> None:
         """Start the writer thread (daemon, "crossbar-store")."""
         if self._writer is None:
             raise StoreError("store: start() before open()")
         self._queue.start("crossbar-store")
+        assert self.shared is not None
+        self.shared.open()
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until everything enqueued before the call is committed; False on timeout."""
@@ -357,6 +364,8 @@ class Store:
         if not self._queue.started and self._writer is not None and self.pending:
             self.start()
         self._queue.stop(timeout)
+        if self.shared is not None:
+            self.shared.close()
         if self.pending:
             log.warning("store: closed with %d operations not written to %s", self.pending, self.label)
         for engine in (self._writer, self._reader):
@@ -419,6 +428,19 @@ class Store:
         data = {"ts": float(ts), "host": host, "healthy": bool(healthy)}
         self._queue.put("health", {**data, "loaded_models": models})
 
+    def publish(self, change: Change) -> None:
+        """Tell the other instances sharing the database about `change`, in the transaction of the
+        writes enqueued before it (a no-op on SQLite: there is no other instance)."""
+        if not self.postgres:
+            return
+        change = replace(change, instance=self.shared.instance if self.shared else "")
+        payload = change.payload()
+        if len(payload.encode()) > MAX_PAYLOAD:
+            log.warning("store: a %s change is too large to publish (%d bytes)", change.kind, len(payload))
+            self._queue.count_dropped()
+            return
+        self._queue.put("notify", {"c": CHANNEL, "p": payload})
+
     def schedule_rollup(self, older_than: float) -> None:
         """Have the writer thread run `rollup(older_than)` after everything enqueued so far."""
         self._queue.put("rollup", {"older_than": float(older_than)})
@@ -468,7 +490,7 @@ class Store:
 
     def _apply_segment(self, conn: Connection, ops: list[Op]) -> None:
         leases: dict[tuple[str, str, str], Op] = {}
-        rows: dict[str, list[dict[str, Any]]] = {"event": [], "request": [], "health": []}
+        rows: dict[str, list[dict[str, Any]]] = {"event": [], "request": [], "health": [], "notify": []}
         for op in ops:
             if op.kind in ("lease", "unlease"):
                 leases.pop(_lease_key(op), None)  # the last operation on a key wins
@@ -479,6 +501,8 @@ class Store:
         for kind, table in (("event", EVENTS), ("request", REQUESTS), ("health", HEALTH)):
             if rows[kind]:
                 conn.execute(insert(table), rows[kind])
+        for notify in rows["notify"]:  # delivered when this transaction commits
+            conn.execute(text("SELECT pg_notify(:c, :p)"), notify)
 
     @staticmethod
     def _apply_leases(conn: Connection, ops: Sequence[Op]) -> None:
