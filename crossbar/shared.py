@@ -48,6 +48,8 @@ from sqlalchemy import (
     create_engine,
     delete,
     func,
+    insert,
+    literal,
     select,
     text,
     update,
@@ -121,6 +123,14 @@ def _db_now_postgresql(_element: _db_now, _compiler: Any, **_kw: Any) -> str:
 @compiles(_db_now, "sqlite")
 def _db_now_sqlite(_element: _db_now, _compiler: Any, **_kw: Any) -> str:
     return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+# the payload is a Change of kind "slot", as Change.parse reads it
+_RELEASE_AND_NOTIFY = text(
+    "WITH gone AS (DELETE FROM fleet_slots WHERE token = ANY(CAST(:tokens AS text[])) RETURNING host, model) "
+    "SELECT pg_notify(:channel, json_build_object('kind', 'slot', 'host', host, 'model', model, "
+    "'instance', CAST(:instance AS text))::text) FROM (SELECT DISTINCT host, model FROM gone) AS freed"
+)
 
 
 def _slot_lock_key(host: str, model: str) -> str:
@@ -290,19 +300,25 @@ class SharedState:
                         self._slot_waiters.pop(key, None)
 
     def _acquire(self, host: str, model: str, parallel: int, ttl: float) -> str | None:
+        """Four round trips: BEGIN, the (host, model) lock, the insert of a slot when fewer than
+        `parallel` unexpired ones exist, COMMIT."""
         token = uuid.uuid4().hex
         s = SLOTS
-        mine = (s.c.host == host) & (s.c.model == model)
+        live = (
+            select(func.count())
+            .select_from(s)
+            .where(s.c.host == host, s.c.model == model, s.c.expires >= _db_now())
+            .scalar_subquery()
+        )
+        row = select(literal(token), literal(host), literal(model), literal(self.instance), _db_now() + ttl)
+        columns = ["token", "host", "model", "instance", "expires"]
+        grant = insert(s).from_select(columns, row.where(live < parallel)).returning(s.c.token)
         with self._connect() as conn, conn.begin():
             if conn.dialect.name == "postgresql":
                 conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:k, 0))"),
                              {"k": _slot_lock_key(host, model)})
-            conn.execute(delete(s).where(mine, s.c.expires < _db_now()))
-            taken = conn.execute(select(func.count()).select_from(s).where(mine)).scalar_one()
-            if taken >= parallel:
+            if conn.execute(grant).scalar_one_or_none() is None:
                 return None
-            conn.execute(s.insert().values(token=token, host=host, model=model, instance=self.instance,
-                                           expires=_db_now() + ttl))
         self._held.add(token)
         return token
 
@@ -313,14 +329,13 @@ class SharedState:
         await self._call(self._release, [token])
 
     def _release(self, tokens: Sequence[str]) -> None:
-        with self._connect() as conn, conn.begin():
-            gone = conn.execute(
-                delete(SLOTS).where(SLOTS.c.token.in_(tokens)).returning(SLOTS.c.host, SLOTS.c.model)
-            ).all()
-            if conn.dialect.name == "postgresql":
-                for host, model in set(gone):
-                    change = Change("slot", host=host, model=model, instance=self.instance)
-                    conn.execute(text("SELECT pg_notify(:c, :p)"), {"c": CHANNEL, "p": change.payload()})
+        with self._connect() as conn:
+            if conn.dialect.name == "postgresql":  # one statement: delete, and wake every waiter
+                conn.execution_options(isolation_level="AUTOCOMMIT").execute(_RELEASE_AND_NOTIFY, {
+                    "tokens": list(tokens), "channel": CHANNEL, "instance": self.instance})
+            else:
+                with conn.begin():
+                    conn.execute(delete(SLOTS).where(SLOTS.c.token.in_(tokens)))
         self._held.difference_update(tokens)
 
     async def heartbeat(self, ttl: float = SLOT_TTL) -> int:
@@ -335,6 +350,7 @@ class SharedState:
         with self._connect() as conn, conn.begin():
             stmt = update(SLOTS).where(SLOTS.c.token.in_(tokens)).values(expires=_db_now() + ttl)
             renewed = conn.execute(stmt.returning(SLOTS.c.token)).scalars().all()
+            conn.execute(delete(SLOTS).where(SLOTS.c.expires < _db_now()))  # anyone's lapsed slots
         self._held.intersection_update(renewed)
         return len(renewed)
 
