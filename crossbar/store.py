@@ -238,14 +238,20 @@ def _figure(value: Any, low: int, high: int) -> int | None:
     return figure if low <= figure <= high else None
 
 
+def _text(value: Any) -> str:
+    """A string every backend stores as given: PostgreSQL refuses NUL in text, so it becomes U+FFFD
+    (on every backend, so that both keep the same keys)."""
+    return str(value).replace("\x00", "\ufffd")
+
+
 def _request_values(row: dict[str, Any], now: float) -> tuple[dict[str, Any], int]:
     """Normalise a request row at enqueue time so the writer never meets an unbindable value; also
     how many figures were out of range (stored as NULL, or 0 where the column cannot be NULL)."""
     started = float(row.get("started", now))
     out: dict[str, Any] = {
-        "route": str(row.get("route", "")),
-        "fp": str(row.get("fp", "")),
-        "model": str(row.get("model", "")),
+        "route": _text(row.get("route", "")),
+        "fp": _text(row.get("fp", "")),
+        "model": _text(row.get("model", "")),
         "started": started if math.isfinite(started) else now,
         "streamed": bool(row.get("streamed", False)),
     }
@@ -263,7 +269,7 @@ def _request_values(row: dict[str, Any], now: float) -> tuple[dict[str, Any], in
         if out[col] is None:
             out[col], bad = 0, bad + 1
     for col in _NULLABLE_STR_COLUMNS:
-        out[col] = None if row.get(col) is None else str(row[col])
+        out[col] = None if row.get(col) is None else _text(row[col])
     return out, bad
 
 
@@ -377,11 +383,11 @@ class Store:
     def save_lease(
         self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float
     ) -> None:
-        data = {"route": route, "fp": fp, "model": model, "host": host, "state": state}
+        data = {"route": _text(route), "fp": _text(fp), "model": _text(model), "host": host, "state": state}
         self._queue.put("lease", {**data, "created": float(created), "last_used": float(last_used)})
 
     def delete_lease(self, route: str, fp: str, model: str) -> None:
-        self._queue.put("unlease", {"route": route, "fp": fp, "model": model})
+        self._queue.put("unlease", {"route": _text(route), "fp": _text(fp), "model": _text(model)})
 
     def record_event(
         self,
@@ -393,7 +399,8 @@ class Store:
         to_host: str | None,
         reason: str,
     ) -> None:
-        data = {"ts": float(ts), "route": route, "fp": fp, "model": model, "reason": reason}
+        data = {"ts": float(ts), "route": _text(route), "fp": _text(fp), "model": _text(model)}
+        data["reason"] = reason
         self._queue.put("event", {**data, "from_host": from_host, "to_host": to_host})
         for listener in self._event_listeners:
             try:

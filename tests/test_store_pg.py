@@ -159,3 +159,14 @@ def test_postgresql_errors_are_one_line_at_open(pg_server: PgServer) -> None:
     with pytest.raises(StoreError, match="cannot open database") as info:
         Store(pg_server.url("no_such_database")).open()
     assert "\n" not in str(info.value)
+
+
+def test_a_nul_in_a_client_chosen_name_never_costs_the_row(pg_store: Store) -> None:
+    """PostgreSQL refuses NUL in text: the row would be dropped as refused."""
+    pg_store.record_request({"route": "r1", "fp": "f", "model": "m\x00x", "started": T0, "total_ms": 1})
+    pg_store.save_lease("r1", "f", "m\x00x", "alpha", "active", T0, T0)
+    pg_store.record_event(T0, "r1", "f", "m\x00x", None, "alpha", "new")
+    assert pg_store.flush()
+    assert [r.model for r in pg_store.requests_since(0)] == ["m\ufffdx"]
+    assert [r.model for r in pg_store.leases()] == ["m\ufffdx"]
+    assert pg_store.dropped == 0 and len(pg_store.lease_events()) == 1
