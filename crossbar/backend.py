@@ -11,6 +11,7 @@ timeout, so a server that vanishes costs a bounded wait, never a hung thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
+from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import URL, Engine, create_engine, event, make_url, text
 from sqlalchemy.engine import Connection
@@ -34,6 +36,7 @@ PG_WRITER_TIMEOUT_MS = 60_000
 PG_READER_TIMEOUT_MS = 15_000
 # taken by every instance upgrading the schema, so that two starting at once do not race
 _MIGRATION_LOCK = 0x63726F73  # "cros"
+log = logging.getLogger("crossbar.store")
 # SQLite errors that are about the data, not the database's availability: retrying cannot help
 _SQLITE_REFUSALS = ("integer overflow", "too big", "datatype mismatch", "too many")
 
@@ -192,7 +195,18 @@ def alembic_config(conn: Connection) -> Config:
 def migrate(conn: Connection) -> None:
     """Upgrade to the newest revision inside the caller's transaction. A database created before
     crossbar used Alembic has no version table: its first revisions keep the tables it has."""
-    command.upgrade(alembic_config(conn), "head")
+    current = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
+    head = head_revision()
+    if current == head:
+        return
+    log.info("store: upgrading the schema from revision %s to %s", current or "none", head)
+    alembic_log = logging.getLogger("alembic")
+    level = alembic_log.level
+    alembic_log.setLevel(logging.WARNING)  # its plugin and per-revision lines would flood the log
+    try:
+        command.upgrade(alembic_config(conn), "head")
+    finally:
+        alembic_log.setLevel(level)
 
 
 def head_revision() -> str | None:
