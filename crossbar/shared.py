@@ -211,16 +211,20 @@ class SharedState:
         loop = asyncio.get_running_loop()
         self._loop = loop
         try:
-            return await asyncio.wait_for(loop.run_in_executor(self._pool, fn, *args), self.timeout)
+            result = await asyncio.wait_for(loop.run_in_executor(self._pool, fn, *args), self.timeout)
         except TimeoutError as exc:
             self._failed(f"no answer within {self.timeout:g} s")
             raise SharedUnavailable(self.last_error) from exc
         except Exception as exc:
             self._failed(one_line(exc))
             raise SharedUnavailable(self.last_error) from exc
+        if self.last_error:
+            log.info("shared: %s answers again (%d failed calls so far)", self.db.label, self.errors)
+            self.last_error = ""
+        return result
 
     def _failed(self, message: str) -> None:
-        first = self.clock() >= self._down_until and not self.last_error
+        first = not self.last_error  # one warning per failure burst
         self.errors += 1
         self.last_error = message
         self._down_until = self.clock() + self.cooldown
