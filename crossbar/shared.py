@@ -192,6 +192,7 @@ class SharedState:
             self._feed.join(5)
         if self._engine is not None:
             held = list(self._held)
+            self._held.clear()
             if held:
                 try:
                     self._release(held)
@@ -290,6 +291,9 @@ class SharedState:
             try:
                 token = await self._call(self._acquire, host, model, parallel, ttl)
                 if token is not None:
+                    # only now: a grant that came after its call timed out is never renewed, so it
+                    # lapses within `ttl`
+                    self._held.add(token)
                     return token
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -323,7 +327,6 @@ class SharedState:
                              {"k": _slot_lock_key(host, model)})
             if conn.execute(grant).scalar_one_or_none() is None:
                 return None
-        self._held.add(token)
         return token
 
     async def release_slot(self, token: str) -> None:
@@ -340,7 +343,6 @@ class SharedState:
             else:
                 with conn.begin():
                     conn.execute(delete(SLOTS).where(SLOTS.c.token.in_(tokens)))
-        self._held.difference_update(tokens)
 
     async def heartbeat(self, ttl: float = SLOT_TTL) -> int:
         """Renew every slot this instance holds (call at least every ttl / 3); how many were still
@@ -348,15 +350,16 @@ class SharedState:
         held = list(self._held)
         if not held:
             return 0
-        return await self._call(self._renew, held, ttl)
+        renewed = await self._call(self._renew, held, ttl)
+        self._held.difference_update(set(held) - renewed)
+        return len(renewed)
 
-    def _renew(self, tokens: Sequence[str], ttl: float) -> int:
+    def _renew(self, tokens: Sequence[str], ttl: float) -> set[str]:
         with self._connect() as conn, conn.begin():
             stmt = update(SLOTS).where(SLOTS.c.token.in_(tokens)).values(expires=_db_now() + ttl)
             renewed = conn.execute(stmt.returning(SLOTS.c.token)).scalars().all()
             conn.execute(delete(SLOTS).where(SLOTS.c.expires < _db_now()))  # anyone's lapsed slots
-        self._held.intersection_update(renewed)
-        return len(renewed)
+        return set(renewed)
 
     @property
     def held(self) -> int:

@@ -211,6 +211,27 @@ async def test_slots_of_a_killed_instance_expire_and_held_ones_are_renewed(pair:
     assert 0.2 < time.monotonic() - begin < 3
 
 
+async def test_a_slot_granted_during_a_heartbeat_stays_held(pair: Pair) -> None:
+    """The heartbeat renews the slots held when it began; one granted meanwhile is still held (and
+    renewed next time), not forgotten and left to lapse under its running request."""
+    a, _ = pair
+    sh = shared(a)
+    first = await sh.acquire_slot("alpha", "m1", 2)
+    renew = sh._renew
+    late: list[str] = []
+
+    def renew_while_another_is_granted(tokens: list[str], ttl: float) -> set[str]:
+        late.append(sh._acquire("alpha", "m1", 2, ttl))  # type: ignore[arg-type]
+        sh._held.add(late[0])  # what acquire_slot does on the loop meanwhile
+        return renew(tokens, ttl)
+
+    sh._renew = renew_while_another_is_granted  # type: ignore[method-assign]
+    assert await sh.heartbeat() == 1
+    sh._renew = renew  # type: ignore[method-assign]
+    assert first is not None and late[0] is not None and sh.held == 2
+    assert await sh.heartbeat() == 2
+
+
 async def test_closing_an_instance_gives_its_slots_back(pg_url: str) -> None:
     a, b = open_store(pg_url), open_store(pg_url)
     try:
