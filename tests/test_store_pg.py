@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from pg import PgServer
 from sqlalchemy import create_engine
 from sqlmodel import SQLModel
 
-from crossbar.backend import VERSION_TABLE, head_revision, parse_db
+from crossbar.backend import VERSION_TABLE, alembic_config, head_revision, parse_db
 from crossbar.store import Store, StoreError
 
 T0 = 1_780_000_000.0
@@ -170,3 +171,20 @@ def test_a_nul_in_a_client_chosen_name_never_costs_the_row(pg_store: Store) -> N
     assert [r.model for r in pg_store.requests_since(0)] == ["m\ufffdx"]
     assert [r.model for r in pg_store.leases()] == ["m\ufffdx"]
     assert pg_store.dropped == 0 and len(pg_store.lease_events()) == 1
+
+
+def test_a_postgresql_database_at_an_older_revision_upgrades_keeping_its_rows(pg_url: str) -> None:
+    engine = create_engine(parse_db(pg_url).url)
+    with engine.begin() as conn:
+        command.upgrade(alembic_config(conn), "0001")  # requests_daily keyed without `decision`
+        conn.exec_driver_sql(
+            "INSERT INTO requests_daily VALUES ('2026-05-27', 'r', 'm', 'a', 4, 1, 40, 0, 400, 300, 20)")
+    engine.dispose()
+    store = Store(pg_url)
+    store.open()
+    try:
+        assert store.usage(0, "decision") == [{"key": "", "requests": 4, "errors": 1, "busy_ms": 40,
+                                               "queued_ms": 0, "prompt_tokens": 400, "cached_tokens": 300,
+                                               "completion_tokens": 20}]
+    finally:
+        store.close()
