@@ -31,6 +31,7 @@ from crossbar import request as req
 from crossbar.admin import Admin, is_admin_path
 from crossbar.app import Router
 from crossbar.config import Config, ConfigError, RouteConf, load_config
+from crossbar.decisions import Rejection
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
 from crossbar.flowcap import FlowCap
@@ -88,10 +89,12 @@ class Crossbar:
             log.error("crossbar config: %s", exc)
             self.cfg = None
             return
-        # a hard memory guard; crossbar itself answers JSON 413 above max_body
+        # mitmproxy's body_size_limit would cut answers too (a large embeddings reply): instead,
+        # bodies past this bound are streamed, not buffered. crossbar answers JSON 413 above
+        # max_body; a request body past the bound is never routed.
         ctx.options.update(
             connection_strategy="lazy",
-            body_size_limit=str(2 * self.cfg.max_body + (1 << 20)),
+            stream_large_bodies=str(2 * self.cfg.max_body + (1 << 20)),
             tcp_timeout=max(600, int(self.cfg.first_byte_timeout) + 60),
         )
 
@@ -196,6 +199,14 @@ class Crossbar:
 
     # ------------------------------------------------------------ request
 
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        """A body announced beyond mitmproxy's buffering bound would be streamed to the placeholder
+        target: close the connection instead (between `max_body` and that bound crossbar answers
+        its JSON 413 once the body is read)."""
+        if flow.request.stream and self.router is not None:
+            self.router.rejected(Rejection.TOO_LARGE)
+            flow.kill()
+
     async def request(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or self.router is None:
             return
@@ -204,19 +215,17 @@ class Crossbar:
             await self._admin(flow, role)
             return
         if self.stopping:
-            self._answer(flow, errors.unavailable("crossbar is shutting down", retry_after=5), None)
+            self._answer(flow, errors.unavailable("crossbar is shutting down", retry_after=5,
+                                                  reason=Rejection.SHUTTING_DOWN), None)
+            return
+        if flow.request.stream:  # a body beyond mitmproxy's buffering limit: never routed
             return
         ex: Exchange | None = None
         try:
             ex = await self._exchange(flow, route_name)
             flow.metadata[META] = ex
-            self.router.live.add(ex)
-            if ex.completion:
-                await self.router.lease(ex)
-                await self.router.guard(ex)
-            else:
-                await self.router.host_for_read(ex)
-            await self.router.take_slot(ex, self._gone_event(flow))
+            self.router.admit(ex)
+            await self.router.lease(ex, self._gone_event(flow))
             await self._reachable(flow, ex)
             if self._gone_event(flow).is_set():
                 raise ClientGone
@@ -228,20 +237,21 @@ class Crossbar:
             return
         except Exception:  # a crossbar bug must not send the flow to the placeholder
             log.exception("crossbar: request failed")
-            self._answer(flow, errors.CrossbarError(500, "server_error", "crossbar failed to route the "
-                                                    "request; see its log"), ex)
+            self._answer(flow, errors.internal("crossbar failed to route the request; see its log"), ex)
             return
         self._forward(flow, ex)
         self._current[flow.client_conn] = flow
-        ex.deadline = asyncio.get_running_loop().call_later(
-            self.router.cfg.first_byte_timeout, self._first_byte_overdue, flow
-        )
 
-    def _first_byte_overdue(self, flow: http.HTTPFlow) -> None:
+    def _arm_deadline(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        assert self.router is not None
+        ex.arm_deadline(self.router.cfg.first_byte_timeout, lambda host: self._first_byte_overdue(flow, host))
+
+    def _first_byte_overdue(self, flow: http.HTTPFlow, host: str) -> None:
         """The upstream accepted the request but sent nothing for `first_byte_timeout`: close its
-        connection so the client gets an answer (mitmproxy's 502) instead of waiting forever."""
+        connection so the client gets an answer (mitmproxy's 502) instead of waiting forever.
+        `host` is the host the timer was armed for; a request moved since is not its fault."""
         ex: Exchange | None = flow.metadata.get(META)
-        if ex is None or ex.ttfb_ms is not None or not flow.live or self.router is None:
+        if ex is None or ex.ttfb_ms is not None or not flow.live or self.router is None or ex.host != host:
             return
         limit = self.router.cfg.first_byte_timeout
         ex.err = f"no first byte from {ex.host} within {limit:g}s"
@@ -286,10 +296,10 @@ class Crossbar:
                 names = await self.tailscale.names(flow.client_conn.peername[0])
         except IdentityError as exc:
             log.warning("crossbar: identity check failed: %s", exc)
-            raise errors.unavailable(f"cannot establish who is calling: {exc}", retry_after=5) from exc
+            raise errors.unavailable(f"cannot establish who is calling: {exc}", retry_after=5,
+                                     reason=Rejection.IDENTITY) from exc
         if not admitted(route.peers, names):
-            raise errors.CrossbarError(403, "permission_error",
-                                       f"route {route.name!r} is not open to this caller")
+            raise errors.forbidden(f"route {route.name!r} is not open to this caller")
 
     def _forward(self, flow: http.HTTPFlow, ex: Exchange) -> None:
         assert self.cfg is not None
@@ -298,11 +308,15 @@ class Crossbar:
         r.scheme = conf.scheme  # before host/port: it decides whether the port shows in Host
         r.host, r.port = conf.host, conf.port
         r.path = conf.base_path + ex.path
+        r.authority = ""  # origin-form upstream, whatever form the client used
         ex.forwarded = True
+        self._arm_deadline(flow, ex)
 
     def _answer(self, flow: http.HTTPFlow, exc: CrossbarError, ex: Exchange | None) -> None:
         flow.response = http.Response.make(exc.status, exc.body(), {**JSON_HEADERS, **exc.headers})
         flow.metadata["crossbar.local"] = True
+        if self.router is not None and exc.reason is not None:
+            self.router.rejected(exc.reason)
         if ex is not None:
             ex.status = exc.status
             ex.err = ex.err or exc.message
@@ -321,8 +335,7 @@ class Crossbar:
             )
         except Exception:  # e.g. the database cannot be read: a JSON 500, never a traceback page
             log.exception("crossbar: admin request failed")
-            self._answer(flow, errors.CrossbarError(500, "server_error", "the admin API failed; see "
-                                                    "crossbar's log"), None)
+            self._answer(flow, errors.internal("the admin API failed; see crossbar's log"), None)
             return
         flow.response = http.Response.make(reply.status, reply.body, reply.headers)
         flow.metadata["crossbar.local"] = True
@@ -394,7 +407,8 @@ class Crossbar:
         ex.status = flow.response.status_code
         if ex.ctx_moved:
             flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
-        if ex.completion and ex.status in RETRY_STATUSES and not ex.retried:
+        streaming = bool(flow.response.stream)  # a body beyond mitmproxy's buffering limit
+        if ex.completion and ex.status in RETRY_STATUSES and not ex.retried and not streaming:
             ex.retry_pending = True  # leave the (small) error body buffered: nothing reaches the client yet
             return
         if flow.response.headers.get("content-type", "").startswith("text/event-stream"):
@@ -410,9 +424,16 @@ class Crossbar:
         ex: Exchange | None = flow.metadata.get(META)
         if ex is None or self.router is None:
             return
-        if ex.retry_pending:
-            ex.retry_pending = False
-            await self._retry(flow, ex)
+        try:
+            if ex.retry_pending:
+                ex.retry_pending = False
+                await self._retry(flow, ex)
+            self._read_answer(flow, ex)
+        finally:
+            self._done_with(flow)
+            self.router.finish(ex)
+
+    def _read_answer(self, flow: http.HTTPFlow, ex: Exchange) -> None:
         if flow.response is not None:
             ex.status = flow.response.status_code
             if ex.tap is not None:
@@ -421,8 +442,6 @@ class Crossbar:
                 ex.usage = usage_from_body(_content(flow.response))
             if ex.status >= 400 and not ex.err:
                 ex.err = f"upstream answered {ex.status}"
-        self._done_with(flow)
-        self.router.finish(ex)
 
     async def _retry(self, flow: http.HTTPFlow, ex: Exchange) -> None:
         """A 5xx before anything reached the client: send the request once to another candidate.
@@ -465,7 +484,8 @@ class Crossbar:
             return
         if new_status in PASSIVE_DOWN_STATUSES:
             self.router.passive_mark(ex.host, f"answered {new_status}")
-        fields = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        ex.ttfb_ms = ex.elapsed_ms()  # the client gets its first byte now, with the whole answer
+        fields = [(_header_bytes(k), _header_bytes(v)) for k, v in headers]
         flow.response = http.Response.make(new_status, b"", http.Headers(fields))
         flow.response.raw_content = body  # as received: never encoded a second time
         flow.response.headers["Content-Length"] = str(len(body))
@@ -483,17 +503,19 @@ class Crossbar:
         ex: Exchange | None = flow.metadata.get(META)
         if ex is None or self.router is None:
             return
-        ex.cancel_deadline()
-        msg = flow.error.msg if flow.error else "error"
-        ex.err = ex.err or msg
-        if flow.response is None and ex.ttfb_ms is None and ex.forwarded and _is_connect_failure(msg):
-            self.router.passive_mark(ex.host, msg)
-        if ex.tap is not None:
-            ex.usage = ex.tap.usage
-        if flow.response is not None and ex.status is None:
-            ex.status = flow.response.status_code
-        self._done_with(flow)
-        self.router.finish(ex)
+        try:
+            ex.cancel_deadline()
+            msg = flow.error.msg if flow.error else "error"
+            ex.err = ex.err or msg
+            if flow.response is None and ex.ttfb_ms is None and ex.forwarded and _is_connect_failure(msg):
+                self.router.passive_mark(ex.host, msg)
+            if ex.tap is not None:
+                ex.usage = ex.tap.usage
+            if flow.response is not None and ex.status is None:
+                ex.status = flow.response.status_code
+        finally:
+            self._done_with(flow)
+            self.router.finish(ex)
 
 
 def _ensure_certstore() -> None:
@@ -516,6 +538,11 @@ def close_server_connection(flow: http.HTTPFlow) -> bool:
         return False
     writer.close()
     return True
+
+
+def _header_bytes(text: str) -> bytes:
+    """A header as received: aiohttp decodes header bytes as UTF-8 (with surrogate escapes)."""
+    return text.encode("utf-8", "surrogateescape")
 
 
 def _content(response: http.Response) -> bytes | None:

@@ -85,11 +85,11 @@ async def test_request_rewrites_the_upstream_and_strips_the_route(tmp_path: Path
         assert (f.request.scheme, f.request.host, f.request.port) == ("http", "llama-1.test", 8080)
         assert f.request.path == "/v1/chat/completions?a=1&b=two"
         assert f.request.content == json.dumps(CHAT_BODY).encode()  # body untouched
-        assert r.router.limiter.in_flight("a", "m") == 1
+        assert r.router.in_flight("a", "m") == 1
         ex = f.metadata[META]
         assert (ex.host, ex.key.route, ex.key.model, ex.decision) == ("a", "r", "m", "new")
         await r.addon.response(f)
-        assert r.router.limiter.in_flight("a", "m") == 0
+        assert r.router.in_flight("a", "m") == 0
 
 
 async def test_request_keeps_the_hosts_base_path(tmp_path: Path) -> None:
@@ -110,7 +110,7 @@ async def test_unknown_route_is_a_json_short_circuit(tmp_path: Path) -> None:
         err = json.loads(f.response.content or b"")["error"]
         assert err["code"] == 404 and err["type"] and "nope" in err["message"]
         assert f.request.host == "placeholder"  # never rewritten towards a host
-        assert r.router.limiter.in_flight("a", "m") == 0
+        assert r.router.in_flight("a", "m") == 0
 
 
 async def test_responseheaders_tees_sse_but_not_json(tmp_path: Path) -> None:
@@ -157,7 +157,7 @@ async def test_response_then_error_write_exactly_one_row(tmp_path: Path) -> None
         await r.addon.response(f)
         rows = await r.rows()
         assert len(rows) == 1 and rows[0].status == 200
-        assert r.router.limiter.in_flight("a", "m") == 0
+        assert r.router.in_flight("a", "m") == 0
         assert not r.router.live
 
 
@@ -170,7 +170,7 @@ async def test_error_alone_writes_one_row_and_frees_the_slot(tmp_path: Path) -> 
         r.addon.error(f)
         (row,) = await r.rows()
         assert row.err and "peer closed" in row.err and row.streamed is True
-        assert r.router.limiter.in_flight("a", "m") == 0
+        assert r.router.in_flight("a", "m") == 0
 
 
 async def test_admin_is_answered_without_an_upstream(tmp_path: Path) -> None:
@@ -191,7 +191,7 @@ async def test_a_bug_in_routing_is_a_json_500_not_a_flow_to_the_placeholder(tmp_
         async def broken(*args: Any, **kwargs: Any) -> None:
             raise RuntimeError("a bug")
 
-        r.router.guard = broken  # type: ignore[method-assign]
+        r.router.lease = broken  # type: ignore[method-assign]
         f = make_flow("/r/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
         await r.addon.request(f)
         assert f.response is not None and f.response.status_code == 500
@@ -199,7 +199,7 @@ async def test_a_bug_in_routing_is_a_json_500_not_a_flow_to_the_placeholder(tmp_
         assert f.request.host == "placeholder"  # never rewritten
         r.addon.error(f)  # what mitmproxy would report for a flow it could not send
         assert r.router.fleet.healthy("a")  # the host is not blamed for crossbar's bug
-        assert r.router.limiter.in_flight("a", "m") == 0
+        assert r.router.in_flight("a", "m") == 0
 
 
 async def test_admin_failure_is_a_json_500(tmp_path: Path) -> None:
