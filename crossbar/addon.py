@@ -13,6 +13,7 @@ A request's way through it:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -45,6 +46,7 @@ from crossbar.upstream import forward_headers, preflight, resend
 log = logging.getLogger("crossbar")
 
 META = "crossbar"
+TAIL = "crossbar.tail"
 MAIN, ADMIN, ROUTE = "main", "admin", "route"  # listener roles
 PLACEHOLDER = "http://127.0.0.1:1"  # reverse target never contacted: every request is rewritten
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
@@ -414,6 +416,9 @@ class Crossbar:
         if flow.response.headers.get("content-type", "").startswith("text/event-stream"):
             ex.tap = SSETap()
             flow.response.stream = ex.tap
+        elif streaming:
+            tail = BodyTail()
+            flow.metadata[TAIL] = flow.response.stream = tail
 
     def _done_with(self, flow: http.HTTPFlow) -> None:
         # the flow holds its client (the weak key) and its body: drop it as soon as it ends
@@ -438,6 +443,8 @@ class Crossbar:
             ex.status = flow.response.status_code
             if ex.tap is not None:
                 ex.usage = ex.tap.usage
+            elif TAIL in flow.metadata:
+                ex.usage = usage_from_body(flow.metadata.pop(TAIL).usage_json())
             elif ex.completion and not flow.metadata.get("crossbar.local"):
                 ex.usage = usage_from_body(_content(flow.response))
             if ex.status >= 400 and not ex.err:
@@ -538,6 +545,30 @@ def close_server_connection(flow: http.HTTPFlow) -> bool:
         return False
     writer.close()
     return True
+
+
+class BodyTail:
+    """Streams a large answer unchanged, keeping only its last bytes: llama-server writes JSON
+    with sorted keys, so `usage` comes last and is read from the tail."""
+
+    KEEP = 16 << 10
+
+    def __init__(self) -> None:
+        self.tail = b""
+
+    def __call__(self, chunk: bytes) -> bytes:
+        self.tail = (self.tail + chunk)[-self.KEEP:]
+        return chunk
+
+    def usage_json(self) -> bytes | None:
+        at = self.tail.rfind(b'"usage"')
+        if at < 0:
+            return None
+        try:
+            usage, _ = json.JSONDecoder().raw_decode(self.tail[at + 7:].lstrip(b": \t\r\n").decode())
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return json.dumps({"usage": usage}).encode()
 
 
 def _header_bytes(text: str) -> bytes:

@@ -156,7 +156,7 @@ function renderLeases(routes) {
     el("td", {}, l.state + (routes[l.route] && routes[l.route].pinned ? " (route pinned)" : "")),
     el("td", {class: "num", title: l.last_used}, ago(l.last_used))));
   fill("leases", rows, 6, "no live leases");
-  return leases.length;
+  return Object.values(routes).reduce((n, r) => n + (r.lease_count ?? (r.leases || []).length), 0);
 }
 function renderUsage(usage) {
   const rows = usage.map(u => el("tr", {"data-usage": u.key},

@@ -96,6 +96,9 @@ class LeaseTable:
         self._hosts_of: dict[tuple[str, str | None], Counter[str]] = {}
         self._pins: dict[str, str] = {}
         self._held: Counter[Key] = Counter()
+        # conversations whose lease idled out, and the host it was on (bounded like the table):
+        # their next turn is recorded as a move for idleness, not as a new conversation
+        self._idled: OrderedDict[Key, str] = OrderedDict()
         self._listeners: list[Listener] = []
         self.evicted = 0
 
@@ -131,6 +134,7 @@ class LeaseTable:
             busy=self._held[key] > 0,
             parent=parent.host if parent else "",
             route_hosts=self.route_hosts(key.route, key.model) if read else (),
+            idled=self._idled.get(key, ""),
         )
 
     def route_hosts(self, route: str, model: str) -> tuple[str, ...]:
@@ -192,6 +196,9 @@ class LeaseTable:
                 stale.append(lease)
         for lease in stale:
             self._drop(lease, now, Reason.IDLE, None)
+            self._idled[lease.key] = lease.host
+            while len(self._idled) > self.max_leases:
+                self._idled.popitem(last=False)
         return len(stale)
 
     def pin(self, route: str, host: str, candidates: Sequence[str], now: float) -> None:
@@ -306,6 +313,7 @@ class LeaseTable:
         self._save(lease)
 
     def _create(self, key: Key, host: str, now: float) -> None:
+        self._idled.pop(key, None)
         state = PINNED if self._pins.get(key.route) == host else ACTIVE
         self._make_room(key.route, now)
         lease = Lease(key, host, state, now, now)

@@ -12,7 +12,8 @@ The rules, in order:
   read       a GET pass-through follows the route's leases for the model; it creates no lease
   reuse      an existing lease stays while its host is usable and the prompt fits there
   move       otherwise it moves to an open host (reason: unhealthy, retried or context)
-  idle       a lease idle longer than `lease_idle` (nothing in flight or queued) is placed anew
+  idle       a lease idle longer than `lease_idle` (nothing in flight or queued) is placed anew,
+             also when the idle sweep already dropped it
   inherit    a new fingerprint takes its route's fingerprint-less lease host when that is open
   choose     else `choose()` ranks the open hosts where the prompt fits
 """
@@ -59,6 +60,7 @@ class LeaseView:
     busy: bool = False  # a request of it is in flight or queued: never idle
     parent: str = ""  # host of the route's fingerprint-less lease for the model
     route_hosts: tuple[str, ...] = ()  # reads: hosts the route's leases for the model live on
+    idled: str = ""  # no lease because it idled out (swept): the host it was on
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +159,7 @@ def place(ask: Ask, snap: Snapshot, lease: LeaseView, now: float, lease_idle: fl
     if isinstance(found, Refusal):
         return found
     host, loads = found
-    decision = Decision.RETRIED if ask.excluded else Decision.NEW
+    decision = Decision.RETRIED if ask.excluded else Decision.IDLE if lease.idled else Decision.NEW
     return Placement(host, decision, LeaseChange(Change.CREATE, host), loads)
 
 

@@ -118,6 +118,9 @@ CASES: dict[str, tuple[Case, Placement | Refusal]] = {
     "idle → placed anew": (
         Case(hosts=fleet(b=H(free=4)), lease=LeaseView(host="a", last_used=NOW - IDLE - 1)),
         P("b", Decision.IDLE, LeaseChange(Change.RENEW, "b", "a", Reason.IDLE))),
+    "its lease was swept for idleness → placed anew, recorded as idle": (
+        Case(lease=LeaseView(idled="a"), hosts=fleet(b=H(free=3))),
+        P("b", Decision.IDLE, LeaseChange(Change.CREATE, "b"))),
     "new fingerprint inherits the route lease": (
         Case(hosts=fleet(b=H(free=4)), lease=LeaseView(parent="c")),
         P("c", Decision.INHERITED, LeaseChange(Change.CREATE, "c"))),
