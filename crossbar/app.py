@@ -132,7 +132,8 @@ class Router:
 
     def _place_once(self, ex: Exchange, why: Reason) -> Placement | Refusal:
         return place(self._ask(ex, why), self.snapshot(ex.route, ex.model),
-                     self.leases.view(ex.key, read=not ex.completion), time.time(), self.cfg.lease_idle)
+                     self.leases.view(ex.key, read=not ex.completion, own=ex.completion),
+                     time.time(), self.cfg.lease_idle)
 
     async def place(self, ex: Exchange, why: Reason = Reason.UNHEALTHY) -> Placement:
         """Run placement; when it names hosts worth waking, wake them and run it again. A refusal

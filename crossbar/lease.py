@@ -123,15 +123,16 @@ class LeaseTable:
 
     # ---- the request path -------------------------------------------------------------------
 
-    def view(self, key: Key, read: bool = False) -> LeaseView:
-        """What placement needs to know about `key`'s conversation."""
+    def view(self, key: Key, read: bool = False, own: bool = False) -> LeaseView:
+        """What placement needs to know about `key`'s conversation; `own`: the asking request is
+        one of those holding it (it does not keep its own lease from idling)."""
         lease = self._leases.get(key)
         parent = self._leases.get(Key(key.route, "", key.model)) if key.fp else None
         return LeaseView(
             pin=self._pins.get(key.route, ""),
             host=lease.host if lease else "",
             last_used=lease.last_used if lease else 0.0,
-            busy=self._held[key] > 0,
+            busy=self._held[key] > (1 if own else 0),
             parent=parent.host if parent else "",
             route_hosts=self.route_hosts(key.route, key.model) if read else (),
             idled=self._idled.get(key, ""),

@@ -636,3 +636,12 @@ def test_listeners_hear_every_event_in_order(w: World) -> None:
     w.hosts.down.add("alpha")
     w.acquire(K1, 3.0)
     assert heard == [Reason.NEW, Reason.DRAIN, Reason.UNHEALTHY]
+
+
+def test_the_asking_request_does_not_keep_its_own_lease_from_idling(w: World) -> None:
+    w.acquire(K1, 0.0)
+    w.table.hold(K1)  # the new turn itself, admitted before it is placed
+    assert not w.table.view(K1, own=True).busy
+    assert w.table.view(K1).busy
+    w.table.hold(K1)  # and another turn of it in flight
+    assert w.table.view(K1, own=True).busy
