@@ -364,3 +364,32 @@ async def test_an_absolute_form_request_reaches_the_host_in_origin_form(tmp_path
     assert status == 200
     assert lines == [b"POST /v1/chat/completions HTTP/1.1"]
 
+
+
+async def test_a_full_route_evicts_its_oldest_idle_lease_and_counts_it(tmp_path: Path) -> None:
+    async with fleet_with_route(tmp_path, {"a": spec(parallel=2)}) as (_fleet, proxy):
+        proxy.router.leases.max_per_route = 3  # the same bound as in production, made small
+        for i in range(5):
+            assert (await post(proxy.url + CHAT, turn(f"s{i}", 0, max_tokens=1)))[0] == 200
+        fps = [lease.key.fp for lease in proxy.router.leases.leases_of("r")]
+        _, samples = await scrape(proxy.url)
+        rows = await request_rows(proxy)
+    assert len(fps) == 3 and fps == [r.fp for r in rows[:1:-1]]  # the three most recent stay
+    assert summed(samples, "crossbar_lease_moves_total", reason="evicted") == 2
+
+
+async def test_the_first_byte_timer_names_the_host_it_was_armed_for() -> None:
+    """A request moved after its timer was armed (a refused server_connect, then a queue) must
+    not have the old timer blame its new host."""
+    from crossbar.config import RouteConf
+    from crossbar.exchange import Exchange
+    from crossbar.lease import Key
+
+    fired: list[str] = []
+    ex = Exchange(route=RouteConf("r", ("a", "b")), key=Key("r", "", "m"), path="/v1/chat/completions",
+                  completion=True, host="a")
+    ex.arm_deadline(0.05, fired.append)
+    ex.host = "b"  # moved: re-armed when it is sent again
+    ex.arm_deadline(0.05, fired.append)
+    await asyncio.sleep(0.2)
+    assert fired == ["b"]
