@@ -280,7 +280,7 @@ async def test_a_client_that_leaves_during_a_5xx_retry_stops_the_retry(tmp_path:
         await wait_until(lambda: proxy.router.in_flight("b", "m") == 0, what="the slot freed")
         row = await last_row(proxy)
         assert row.host == "b" and row.err and "client" in row.err
-        assert not proxy.addon._current  # nothing kept for a connection that is gone
+        assert not proxy.addon.current  # nothing kept for a connection that is gone
 
 
 # ---------------------------------------------------------------- 8. pin, release, drain
