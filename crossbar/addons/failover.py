@@ -15,11 +15,11 @@ import asyncio
 import logging
 
 import aiohttp
-from mitmproxy import ctx, http
+from mitmproxy import http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from crossbar import errors
-from crossbar.addons.runtime import LOCAL, Runtime, exchange_of
+from crossbar.addons.runtime import LOCAL, Runtime, close_socket, exchange_of
 from crossbar.decisions import Reason
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
@@ -106,7 +106,7 @@ class Failover:
             return
         ex.err = f"no first byte from {host} within {router.cfg.first_byte_timeout:g}s"
         router.passive_mark(host, ex.err)
-        if not close_server_connection(flow):
+        if not close_socket(flow, flow.server_conn):
             log.warning("could not close the upstream connection of a hung request to %s", host)
 
     # ------------------------------------------------------------ upstream connections
@@ -235,19 +235,6 @@ class Failover:
         msg = flow.error.msg if flow.error else "error"
         if flow.response is None and ex.ttfb_ms is None and ex.forwarded and _is_connect_failure(msg):
             router.passive_mark(ex.host, msg)
-
-
-def close_server_connection(flow: http.HTTPFlow) -> bool:
-    """Close the flow's upstream socket. mitmproxy has no public call for this (`flow.kill()` does
-    not reach a flow in transit), so this goes through the proxyserver's connection handler."""
-    ps = ctx.master.addons.get("proxyserver")
-    handler = getattr(ps, "connections", {}).get(flow.client_conn.id)
-    io = getattr(handler, "transports", {}).get(flow.server_conn) if handler else None
-    writer = getattr(io, "writer", None)
-    if writer is None:
-        return False
-    writer.close()
-    return True
 
 
 def _header_bytes(text: str) -> bytes:

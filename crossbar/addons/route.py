@@ -9,7 +9,7 @@ from mitmproxy import http
 
 from crossbar import errors
 from crossbar import request as req
-from crossbar.addons.runtime import META, Runtime
+from crossbar.addons.runtime import META, Runtime, close_socket
 from crossbar.config import RouteConf
 from crossbar.decisions import Rejection
 from crossbar.errors import CrossbarError
@@ -32,6 +32,7 @@ class Route:
         if flow.request.stream and self.rt.router is not None:
             self.rt.router.rejected(Rejection.TOO_LARGE)
             flow.kill()
+            close_socket(flow, flow.client_conn)  # at once: the client may still be sending it
 
     async def request(self, flow: http.HTTPFlow) -> None:
         rt = self.rt

@@ -10,8 +10,8 @@ import asyncio
 from weakref import WeakKeyDictionary
 
 import aiohttp
-from mitmproxy import http
-from mitmproxy.connection import Client
+from mitmproxy import ctx, http
+from mitmproxy.connection import Client, Connection
 
 from crossbar.admin import Admin
 from crossbar.app import Router
@@ -68,6 +68,20 @@ class Runtime:
 
 def exchange_of(flow: http.HTTPFlow) -> Exchange | None:
     return flow.metadata.get(META)
+
+
+def close_socket(flow: http.HTTPFlow, conn: Connection) -> bool:
+    """Close one of the flow's sockets (client or upstream) at once. mitmproxy has no public call
+    for this (`flow.kill()` does not reach a flow in transit), so it goes through the
+    proxyserver's connection handler."""
+    ps = ctx.master.addons.get("proxyserver")
+    handler = getattr(ps, "connections", {}).get(flow.client_conn.id)
+    io = getattr(handler, "transports", {}).get(conn) if handler else None
+    writer = getattr(io, "writer", None)
+    if writer is None:
+        return False
+    writer.close()
+    return True
 
 
 class Clients:
