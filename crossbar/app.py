@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from crossbar import errors
 from crossbar.choose import Candidate
@@ -54,6 +54,7 @@ class Router:
         self.waker = Waker(cfg.hosts, self.fleet.healthy, self.poller.poll_one)
         self.live: set[Exchange] = set()  # admitted and not ended: what a graceful stop waits for
         self._housekeeping: asyncio.Task[None] | None = None
+        self._configured_models = frozenset(m for conf in cfg.hosts.values() for m in conf.models)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -106,9 +107,12 @@ class Router:
         return self.estimator.estimate(ex.model, ex.prompt_bytes) if ex.completion else 0
 
     def snapshot(self, route: RouteConf, model: str) -> Snapshot:
+        """The fleet for this model, read lazily: a request that stays on its lease reads only
+        its own host."""
         fleet = self.fleet
-        candidates = tuple(
-            Candidate(
+
+        def candidate(name: str) -> Candidate:
+            return Candidate(
                 name=name,
                 healthy=fleet.healthy(name),
                 draining=fleet.draining(name),
@@ -117,13 +121,14 @@ class Router:
                 free_slots=fleet.free_slots(name, model, self.in_flight(name, model)),
                 weight=fleet.conf[name].weight,
                 queued=self.queued(name, model),
-                order=i,
+                order=route.hosts.index(name),
             )
-            for i, name in enumerate(route.hosts)
-        )
-        ctx = {name: fleet.slot_ctx(name, model) for name in route.hosts if model}
+
+        def ctx(name: str) -> int:
+            return fleet.slot_ctx(name, model) if model else 0
+
         known = not model or any(fleet.knows(name, model) for name in route.hosts)
-        return Snapshot(candidates, ctx, known)
+        return Snapshot(Lazy(route.hosts, candidate), Lazy(route.hosts, ctx), known)
 
     def _ask(self, ex: Exchange, why: Reason) -> Ask:
         return Ask(route=ex.key.route, model=ex.model, hosts=ex.route.hosts, fp=ex.key.fp,
@@ -313,7 +318,7 @@ class Router:
                      if conf.is_template and dataclasses.replace(route, name=name) == conf), OTHER)
 
     def model_label(self, model: str) -> str:
-        return model if any(conf.serves(model) for conf in self.cfg.hosts.values()) else OTHER
+        return model if model in self._configured_models else OTHER
 
     # ------------------------------------------------------------ lease events, poller callbacks
 
@@ -350,3 +355,22 @@ class Router:
                 yield (name, model, self.fleet.free_slots(name, model, busy), busy,
                        self.queued(name, model), self.fleet.capacity(name, self.fleet.slot_key(name, model)))
 
+
+class Lazy[T](Mapping[str, T]):
+    """A mapping over `keys` whose values are computed on first read."""
+
+    def __init__(self, keys: tuple[str, ...], make: Callable[[str], T]):
+        self._keys, self._make, self._got = keys, make, dict[str, T]()
+
+    def __getitem__(self, key: str) -> T:
+        if key not in self._got:
+            if key not in self._keys:
+                raise KeyError(key)
+            self._got[key] = self._make(key)
+        return self._got[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

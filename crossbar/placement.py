@@ -81,7 +81,7 @@ class Ask:
 class Snapshot:
     """The fleet as seen for this request's model."""
 
-    candidates: tuple[Candidate, ...]  # one per host of the route, in route order
+    candidates: Mapping[str, Candidate]  # per host of the route (only those asked about are read)
     ctx: Mapping[str, int]  # per-slot context for the model per host (0 = unknown)
     known: bool = True  # some host of the route lists or reports the model
 
@@ -107,13 +107,15 @@ class _Fleet:
 
     def __init__(self, ask: Ask, snap: Snapshot):
         self.ask, self.snap = ask, snap
-        self.by_name = {c.name: c for c in snap.candidates if c.name in ask.hosts}
+        self.by_name = snap.candidates
 
     def usable(self, host: str) -> bool:
         """Can a request (or an existing lease) be served by `host`? Healthy, a candidate of the
         route and not excluded. A draining host keeps its conversations."""
+        if host not in self.ask.hosts or host in self.ask.excluded:
+            return False
         c = self.by_name.get(host)
-        return c is not None and c.healthy and host not in self.ask.excluded
+        return c is not None and c.healthy
 
     def open(self, host: str) -> bool:
         """Can `host` take a new conversation? Usable and not draining."""
@@ -123,7 +125,7 @@ class _Fleet:
         return fits(self.ask.tokens, self.snap.ctx.get(host, 0))
 
     def serves(self, host: str) -> bool:
-        c = self.by_name.get(host)
+        c = self.by_name.get(host) if host in self.ask.hosts else None
         return c is not None and (c.loaded or c.listed)
 
     def largest_ctx(self) -> int:
@@ -132,6 +134,9 @@ class _Fleet:
 
     def asleep(self) -> tuple[str, ...]:
         return tuple(h for h in self.ask.hosts if h in self.by_name and not self.by_name[h].healthy)
+
+    def open_candidates(self, avoid: str) -> list[Candidate]:
+        return [self.by_name[h] for h in self.ask.hosts if h != avoid and self.open(h)]
 
 
 def place(ask: Ask, snap: Snapshot, lease: LeaseView, now: float, lease_idle: float,
@@ -211,7 +216,7 @@ def _existing(fleet: _Fleet, lease: LeaseView, pick: Pick) -> Placement | Refusa
 def _new_host(fleet: _Fleet, pick: Pick, avoid: str) -> tuple[str, bool] | Refusal:
     """The best open host where the prompt fits (never `avoid`), or why there is none."""
     ask = fleet.ask
-    open_hosts = [c for c in fleet.snap.candidates if c.name != avoid and fleet.open(c.name)]
+    open_hosts = fleet.open_candidates(avoid)
     fitting = [c for c in open_hosts if fleet.fits(c.name)]
     choice = pick(fitting) if fitting else None
     if choice is not None and any(c.name == choice.host for c in fitting):

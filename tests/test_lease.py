@@ -89,8 +89,8 @@ class Grant:
 def acquire(table: LeaseTable, hosts: FakeHosts, chooser: FakeChooser, key: Key, now: float,
             exclude: Sequence[str] = (), candidates: Sequence[str] = HOSTS) -> Grant:
     """Place through `crossbar.placement` and apply the lease change, as the router does."""
-    snap = Snapshot(tuple(Candidate(h, hosts.healthy(h), hosts.draining(h), True, True, 1, 1.0, 0, i)
-                          for i, h in enumerate(candidates)), {})
+    snap = Snapshot({h: Candidate(h, hosts.healthy(h), hosts.draining(h), True, True, 1, 1.0, 0, i)
+                     for i, h in enumerate(candidates)}, {})
     ask = Ask(key.route, key.model, tuple(candidates), fp=key.fp, excluded=frozenset(exclude))
     result = place(ask, snap, table.view(key), now, table.idle, pick=chooser)
     if isinstance(result, Refusal):

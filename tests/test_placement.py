@@ -47,8 +47,8 @@ class Case:
 
 def run(case: Case) -> Placement | Refusal:
     snap = Snapshot(
-        tuple(Candidate(n, h.healthy, h.draining, h.loaded, h.listed, h.free, 1.0, 0, i)
-              for i, (n, h) in enumerate(case.hosts.items())),
+        {n: Candidate(n, h.healthy, h.draining, h.loaded, h.listed, h.free, 1.0, 0, i)
+         for i, (n, h) in enumerate(case.hosts.items())},
         {n: h.ctx for n, h in case.hosts.items()}, case.known)
     ask = Ask("r", case.model, tuple(case.hosts), fp=case.fp, read=case.read, tokens=case.tokens,
               excluded=case.excluded, why=case.why)
