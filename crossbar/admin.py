@@ -1,6 +1,6 @@
 """The operator's API under `/_crossbar/`, answered without contacting any upstream.
 
-Shapes follow the reference README: `hosts`, `routes`, `routes/{route}` (pin/release),
+Endpoints (README, "Operating it"): `hosts`, `routes`, `routes/{route}` (pin/release),
 `hosts/{host}` (drain), `usage`, `metrics`. Every error is JSON.
 """
 

@@ -69,7 +69,7 @@ def unavailable(message: str, retry_after: int | None = None,
 
 
 def no_healthy_host(woke: list[str], retry_after: int) -> CrossbarError:
-    """The reference README's shape: `{"error":"no healthy host","woke":[...]}`."""
+    """`{"error":"no healthy host","woke":[...]}`: the hosts a wake-on-LAN packet was sent to."""
     return CrossbarError(
         503, "unavailable_error", "no healthy host", {"Retry-After": str(retry_after)},
         payload={"error": "no healthy host", "woke": woke}, reason=Rejection.NO_HOST,
