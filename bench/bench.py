@@ -55,7 +55,8 @@ from mitmproxy import version as mitmproxy_version
 from mitmproxy.test import tflow, tutils
 
 from crossbar import request as req
-from crossbar.addon import META, Crossbar
+from crossbar.addons import Runtime, make_addons
+from crossbar.addons.runtime import META
 from crossbar.app import Router
 from crossbar.config import Config, parse_config
 from crossbar.exchange import Exchange
@@ -660,7 +661,23 @@ def overhead_table(rows: list[list[str]], sizes: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------- 2. decision cost
 
 
-STEPS = ("resolve", "peek", "lease", "guard", "take_slot", "rewrite")
+STEPS = ("resolve", "peek", "lease", "rewrite")  # lease: placement, lease change and slot
+
+
+class Crossbar:
+    """crossbar's addons in mitmproxy's order, driven directly (no proxy)."""
+
+    def __init__(self, cfg: Config, router: Router) -> None:
+        self.rt = Runtime()
+        self.rt.cfg, self.rt.router = cfg, router
+        self.addons = make_addons(self.rt)
+        self.failover = next(a for a in self.addons if type(a).__name__ == "Failover")
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        for addon in self.addons:
+            hook = getattr(addon, "request", None)
+            if hook is not None:
+                await maybe_await(hook(flow))
 
 
 async def maybe_await(value: Any) -> Any:
@@ -679,7 +696,8 @@ async def prefill_leases(router: Router, cfg: Config, count: int) -> None:
     for i in range(count):
         fp = hashlib.sha256(b"conversation %d" % i).hexdigest()
         ex = Exchange(route=route, key=Key(route.name, fp, MODEL), path=CHAT, completion=True)
-        await maybe_await(router.lease(ex))
+        await router.lease(ex, None)
+        ex.end()  # the lease stays; the slot is given back
     router.store.flush(30)
 
 
@@ -727,13 +745,12 @@ class StepClock:
 @contextlib.contextmanager
 def instrumented(addon: Crossbar, router: Router, clock: StepClock) -> Iterator[None]:
     """Time the real hook's parts in place: crossbar.request.resolve/peek_body (module functions
-    the addon calls), the router's lease/guard/take_slot and the addon's upstream rewrite."""
+    the addon calls), the router's lease (placement, lease change, slot) and the upstream rewrite."""
     plain = {"resolve": req.resolve, "peek": req.peek_body}
     req.resolve = clock.wrap("resolve", plain["resolve"])  # type: ignore[assignment]
     req.peek_body = clock.wrap("peek", plain["peek"])  # type: ignore[assignment]
     patched: list[tuple[object, str]] = []
-    for obj, attr, name in ((router, "lease", "lease"), (router, "guard", "guard"),
-                            (router, "take_slot", "take_slot"), (addon, "_forward", "rewrite")):
+    for obj, attr, name in ((router, "lease", "lease"), (addon.failover, "_forward", "rewrite")):
         if hasattr(obj, attr):
             setattr(obj, attr, clock.wrap(name, getattr(obj, attr)))
             patched.append((obj, attr))
@@ -757,7 +774,7 @@ async def hook_once(addon: Crossbar, router: Router, flow: http.HTTPFlow) -> tup
         answer = flow.response.get_text() if flow.response is not None else "no exchange"
         raise RuntimeError(f"crossbar did not forward the benchmark request: {answer}")
     t2 = time.perf_counter_ns()
-    router.free_slot(ex)
+    ex.drop_slot()
     t3 = time.perf_counter_ns()
     router.finish(ex)
     router.store.flush(10)  # every round starts with an idle store writer, as at a modest request rate
@@ -769,7 +786,7 @@ def keep_alive(addon: Crossbar, router: Router, flow: http.HTTPFlow) -> None:
     as mitmproxy's `server_connected` hook would on a kept-alive connection: the request then
     needs no pre-flight (a new upstream connection's TCP check is not part of the decision)."""
     addresses = {(h.host, h.port) for h in router.cfg.hosts.values()}
-    addon._upstreams[flow.client_conn.id] = addresses
+    addon.rt.upstreams[flow.client_conn] = addresses
 
 
 async def decision_size(addon: Crossbar, router: Router, size: int, n: int) -> dict[str, Any]:
@@ -805,8 +822,7 @@ async def decision_router(workdir: Path, leases: int) -> AsyncIterator[tuple[Cro
     router = Router(cfg)
     router.open()
     try:
-        addon = Crossbar()
-        addon.cfg, addon.router = cfg, router
+        addon = Crossbar(cfg, router)
         await prefill_leases(router, cfg, leases - 1)  # + the measured conversation's own lease = `leases`
         yield addon, router
     finally:

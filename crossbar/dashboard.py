@@ -161,7 +161,7 @@ function renderLeases(routes) {
     el("td", {}, l.state + (routes[l.route] && routes[l.route].pinned ? " (route pinned)" : "")),
     el("td", {class: "num", title: l.last_used}, ago(l.last_used))));
   fill("leases", rows, 7, "no live leases");
-  return leases.length;
+  return Object.values(routes).reduce((n, r) => n + (r.lease_count ?? (r.leases || []).length), 0);
 }
 function renderUsage(usage) {
   const rows = usage.map(u => el("tr", {"data-usage": u.key},

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from enum import StrEnum
 
 from crossbar.config import RouteConf
+from crossbar.decisions import Rejection
 from crossbar.errors import CrossbarError, bad_request
 
 SESSION_PREFIX = "s:"
@@ -59,7 +60,8 @@ def session_fp(session_id: str) -> str:
 def _invalid(header: str, problem: str) -> CrossbarError:
     return bad_request(
         f"session header {header}: {problem}; fix the client, or set the route's session_headers "
-        "to [] to key its conversations by their first messages instead"
+        "to [] to key its conversations by their first messages instead",
+        Rejection.SESSION_ID,
     )
 
 
