@@ -228,7 +228,7 @@ async def test_dashboard_shows_hosts_then_leases_and_usage_after_traffic(tmp_pat
 
         dom = await rendered_dom(proxy, tmp_path)
         after = Tables(dom)
-        lease, named = proxy.router.leases.leases_of("webapp")  # sorted: a bare hash before "s:…"
+        lease, named = sorted(proxy.router.leases.leases_of("webapp"), key=lambda x: x.key.fp)  # hash < "s:…"
         leases = after.rows("leases", "fp")
         assert leases[lease.key.fp][:3] == ["webapp", "m", lease.host]
         assert leases[lease.key.fp][3:5] == ["fingerprint", lease.key.fp[:10]]

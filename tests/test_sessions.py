@@ -108,7 +108,7 @@ async def turn(proxy: Proxy, record: Mapping[str, Any], **kw: Any) -> None:
 
 def free(proxy: Proxy, host: str) -> int:
     r = proxy.router
-    return r.fleet.free_slots(host, MODEL, r.limiter.in_flight(host, MODEL))
+    return r.fleet.free_slots(host, MODEL, r.in_flight(host, MODEL))
 
 
 async def test_title_and_main_request_of_a_session_share_its_lease(tmp_path: Path) -> None:
