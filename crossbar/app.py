@@ -161,13 +161,18 @@ class Router:
         """Context guard, after the lease: a prompt that does not fit the leased host's per-slot
         context moves (with its lease) to a candidate where it fits; fitting nowhere is a 400 in
         llama-server's own shape. A context that is unknown never blocks."""
-        est = self.estimator.estimate(ex.model, ex.prompt_bytes)
+        est = self.estimator.estimate(ex.host, ex.model, ex.prompt_bytes)
         if fits(est, self.fleet.slot_ctx(ex.host, ex.model)):
             return
         fitting = self._fitting(ex.route.hosts, ex.model, est)
         if not fitting:
             await self.waker.wake([h for h in ex.route.hosts if self._could_fit(h, ex.model, est)])
             fitting = self._fitting(ex.route.hosts, ex.model, est)
+        if not fitting:  # a learned ratio alone never refuses what the plain estimate lets fit
+            plain = self.estimator.plain(ex.prompt_bytes)
+            if fits(plain, self.fleet.slot_ctx(ex.host, ex.model)):
+                return
+            fitting = self._fitting(ex.route.hosts, ex.model, plain)
         if not fitting:
             self.metrics.rejected.labels("context").inc()
             raise overflow(est, self.largest_slot_ctx(ex.model))
@@ -268,7 +273,10 @@ class Router:
         u = ex.usage
         if u is None:
             return
-        self.estimator.learn(ex.model, ex.prompt_bytes, u.prompt_tokens)
+        self.estimator.learn(host, ex.model, ex.path, ex.prompt_bytes, u.prompt_tokens)
+        if u.dropped:
+            log.warning("%s reported %d usage figure(s) out of range; stored as unknown", host, u.dropped)
+            self.metrics.usage_dropped.labels(host).inc(u.dropped)
         for kind, value in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens),
                             ("completion", u.completion_tokens)):
             if value:

@@ -93,6 +93,11 @@ class Metrics:
             registry=r,
         )
 
+        self.usage_dropped = Counter(
+            "crossbar_usage_figures_dropped", "Usage figures from a host that were out of range (stored as "
+            "NULL)", ["host"], registry=r,
+        )
+
     def lease_moved(self, reason: str) -> None:
         """The lease table recorded an event (a store listener: one call per lease_events row)."""
         self.lease_moves.labels(reason).inc()
