@@ -26,7 +26,7 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.connection import Client
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from crossbar import errors
+from crossbar import admin_access, errors
 from crossbar import request as req
 from crossbar.admin import Admin, is_admin_path
 from crossbar.app import Router
@@ -56,6 +56,7 @@ class Crossbar:
         self.cfg: Config | None = None
         self.router: Router | None = None
         self.admin: Admin | None = None
+        self.admin_policy = admin_access.AdminPolicy(frozenset())
         self._session: aiohttp.ClientSession | None = None
         # Per client connection, weakly keyed so nothing outlives the connection: an event set
         # when it leaves, the upstream addresses it holds open (mitmproxy reuses those), and the
@@ -91,6 +92,7 @@ class Crossbar:
         # a hard memory guard; crossbar itself answers JSON 413 above max_body
         ctx.options.update(
             connection_strategy="lazy",
+            keep_host_header=True,  # the admin API checks the Host the client sent
             body_size_limit=str(2 * self.cfg.max_body + (1 << 20)),
             tcp_timeout=max(600, int(self.cfg.first_byte_timeout) + 60),
         )
@@ -108,6 +110,7 @@ class Crossbar:
             await router.close()
             return
         self.router, self.admin = router, Admin(router)
+        self.admin_policy = admin_access.AdminPolicy.from_config(self.cfg)
         self._session = aiohttp.ClientSession()
         router.start_background()
         await self._listen()
@@ -279,17 +282,20 @@ class Crossbar:
         assert self.cfg is not None
         if not route.peers or self.cfg.identity == "off":
             return
-        try:
-            if self.cfg.identity == "header":
-                names = await HeaderPeer().names_from(flow.request.headers)
-            else:
-                names = await self.tailscale.names(flow.client_conn.peername[0])
-        except IdentityError as exc:
-            log.warning("crossbar: identity check failed: %s", exc)
-            raise errors.unavailable(f"cannot establish who is calling: {exc}", retry_after=5) from exc
+        names = await self._caller_names(flow)
         if not admitted(route.peers, names):
             raise errors.CrossbarError(403, "permission_error",
                                        f"route {route.name!r} is not open to this caller")
+
+    async def _caller_names(self, flow: http.HTTPFlow) -> frozenset[str]:
+        assert self.cfg is not None
+        try:
+            if self.cfg.identity == "header":
+                return await HeaderPeer().names_from(flow.request.headers)
+            return await self.tailscale.names(flow.client_conn.peername[0])
+        except IdentityError as exc:
+            log.warning("crossbar: identity check failed: %s", exc)
+            raise errors.unavailable(f"cannot establish who is calling: {exc}", retry_after=5) from exc
 
     def _forward(self, flow: http.HTTPFlow, ex: Exchange) -> None:
         assert self.cfg is not None
@@ -314,6 +320,17 @@ class Crossbar:
         serves_admin = ADMIN if self.cfg.admin_listen is not None else MAIN
         if role != serves_admin or not is_admin_path(flow.request.path):
             self._answer(flow, errors.not_found(f"no such path here: {flow.request.path[:100]!r}"), None)
+            return
+        try:
+            names = await self._caller_names(flow) if self.cfg.admin_peers else None
+        except CrossbarError as exc:
+            self._answer(flow, exc, None)
+            return
+        r = flow.request
+        denied = admin_access.refusal(r.method, r.path, r.headers, flow.client_conn.sockname[0], names,
+                                      self.admin_policy)
+        if denied is not None:
+            self._answer(flow, denied, None)
             return
         try:
             reply = await self.admin.handle(

@@ -117,6 +117,13 @@ class Config:
     first_byte_timeout: float = 900.0
     drain_timeout: float = 600.0
     mitmweb_keep_flows: int = 500
+    admin_token: str = ""  # "" → no bearer token required
+    admin_peers: tuple[str, ...] = ()  # () → any caller (identity permitting)
+    admin_names: tuple[str, ...] = ()  # host names (besides the listen addresses) the admin API answers to
+    head_timeout: float = 10.0  # a request head must be complete this long after it began
+    idle_timeout: float = 60.0  # a kept-alive client connection may idle this long between requests
+    max_head: int = 64 * 1024  # request and response heads (request line / status line + headers)
+    max_connections_per_peer: int = 64
 
 
 # Features parsed and validated now but refused by `check_supported` until they work.
@@ -134,6 +141,8 @@ _TOP_KEYS = frozenset(
         "listen", "db", "poll_interval", "poll_timeout", "lease_idle", "queue_max", "retention",
         "max_body", "allow_any_address", "identity", "admin_listen", "connect_timeout",
         "first_byte_timeout", "drain_timeout", "mitmweb_keep_flows", "hosts", "routes",
+        "admin_token", "admin_peers", "admin_names", "head_timeout", "idle_timeout", "max_head",
+        "max_connections_per_peer",
     }
 )  # fmt: skip
 _HOST_KEYS = frozenset({"base_url", "weight", "models", "wake"})
@@ -609,7 +618,37 @@ _TOP_SCALARS: dict[str, Callable[[object, str], Any]] = {
     "first_byte_timeout": _positive_duration,
     "drain_timeout": _positive_duration,
     "mitmweb_keep_flows": lambda v, k: _int(v, k, 0),
+    "admin_names": lambda v, k: tuple(_host_name(n, k) for n in _str_list(v, k)),
+    "head_timeout": _positive_duration,
+    "idle_timeout": _positive_duration,
+    "max_head": lambda v, k: _size_at_least(v, k, 4096),
+    "max_connections_per_peer": lambda v, k: _int(v, k, 1),
 }
+
+ADMIN_TOKEN_MIN = 16
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # what a bearer token may hold: visible ASCII
+
+
+def _admin_token(value: object, key: str) -> str:
+    token = _str(value, key)
+    if not _TOKEN.fullmatch(token) or len(token) < ADMIN_TOKEN_MIN:
+        raise _fail(key, f"must be at least {ADMIN_TOKEN_MIN} visible ASCII characters (e.g. the output "
+                         "of `openssl rand -hex 24`)")
+    return token
+
+
+def _host_name(value: str, key: str) -> str:
+    name = value.strip().rstrip(".").lower()
+    if not _NET_HOST.fullmatch(name):
+        raise _fail(key, f"not a host name: {value!r}")
+    return name
+
+
+def _size_at_least(value: object, key: str, minimum: int) -> int:
+    size = parse_size(value, key)
+    if size < minimum:
+        raise _fail(key, f"must be at least {minimum} bytes, got {value!r}")
+    return size
 
 
 def parse_config(data: Mapping[str, Any]) -> Config:
@@ -627,6 +666,12 @@ def parse_config(data: Mapping[str, Any]) -> Config:
         admin_listen = parse_address(data["admin_listen"], "admin_listen", allow_any)
         _claim(admin_listen, "admin_listen", ctx)
     scalars = {k: parse(data[k], k) for k, parse in _TOP_SCALARS.items() if k in data}
+    if "admin_token" in data:
+        scalars["admin_token"] = _admin_token(data["admin_token"], "admin_token")
+    if "admin_peers" in data:
+        if identity == "off":
+            raise _fail("admin_peers", 'needs identity = "tailscale" or "header"')
+        scalars["admin_peers"] = _str_list(data["admin_peers"], "admin_peers")
     ctx.hosts = _parse_hosts(_required(data, "", "hosts"))
     routes = _parse_routes(_required(data, "", "routes"), ctx)
     return Config(

@@ -174,7 +174,11 @@ WHOIS = {
 
 
 def test_names_from_whois() -> None:
-    assert names_from_whois(WHOIS) == {"talos", "talos.tail1a2b.ts.net", "talos-box", "kyle@github"}
+    assert names_from_whois(WHOIS) == {"talos", "talos.tail1a2b.ts.net", "kyle@github"}
+    tagged = {"Node": {"Name": "ci-1.tail1a2b.ts.net.", "Tags": ["tag:ci"], "ComputedName": "talos",
+                       "Hostinfo": {"Hostname": "talos"}},
+              "UserProfile": {"LoginName": "tagged-devices"}}
+    assert names_from_whois(tagged) == {"ci-1", "ci-1.tail1a2b.ts.net", "tag:ci"}
     assert names_from_whois([]) == frozenset()
     assert names_from_whois({"Node": "x"}) == frozenset()
 
