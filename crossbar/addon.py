@@ -30,7 +30,7 @@ from crossbar import admin_access, errors
 from crossbar import request as req
 from crossbar.admin import Admin, is_admin_path
 from crossbar.app import Router
-from crossbar.config import Config, ConfigError, RouteConf, load_config
+from crossbar.config import Address, Config, ConfigError, RouteConf, load_config
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
 from crossbar.flowcap import FlowCap
@@ -131,12 +131,12 @@ class Crossbar:
     async def _listen(self) -> None:
         """Open every listener the TOML names: the main one, each route's own, the admin one."""
         assert self.cfg is not None
-        self._roles = {f"reverse:{PLACEHOLDER}@{self.cfg.listen}": (MAIN, "")}
+        self._roles = {listen_spec(self.cfg.listen): (MAIN, "")}
         if self.cfg.admin_listen is not None:
-            self._roles[f"reverse:{PLACEHOLDER}@{self.cfg.admin_listen}"] = (ADMIN, "")
+            self._roles[listen_spec(self.cfg.admin_listen)] = (ADMIN, "")
         for name, route in self.cfg.routes.items():
             if route.listen is not None:
-                self._roles[f"reverse:{PLACEHOLDER}@{route.listen}"] = (ROUTE, name)
+                self._roles[listen_spec(route.listen)] = (ROUTE, name)
         self.listen_specs = list(self._roles)
         _ensure_certstore()
         ctx.options.update(server=True, mode=self.listen_specs)
@@ -148,7 +148,8 @@ class Crossbar:
         if len(ps.listen_addrs()) < len(self.listen_specs):
             log.error("crossbar: could not listen on %s", ", ".join(self.listen_specs))
             return
-        log.info("crossbar: serving on %s", ", ".join(f"{h}:{p}" for h, p, *_ in ps.listen_addrs()))
+        log.info("crossbar: serving on %s", ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
+                                                      for h, p, *_ in ps.listen_addrs()))
 
     async def done(self) -> None:
         """SIGTERM/SIGINT: refuse new connections, answer new requests on open ones with 503,
@@ -511,6 +512,11 @@ class Crossbar:
             ex.status = flow.response.status_code
         self._done_with(flow)
         self.router.finish(ex)
+
+
+def listen_spec(address: Address) -> str:
+    """mitmproxy's mode spec for a listener; it takes an IPv6 host without brackets (`@::1:7777`)."""
+    return f"reverse:{PLACEHOLDER}@{address.host}:{address.port}"
 
 
 def _ensure_certstore() -> None:

@@ -371,27 +371,49 @@ def _canonical_host(host: str, text: str, key: str) -> str:
         return host.lower()
 
 
-def _is_any(host: str) -> bool:
-    if host == "":
-        return True
+def _is_unspecified_ip(text: str) -> bool:
     try:
-        return ipaddress.ip_address(host).is_unspecified
+        ip = ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:0.0.0.0 binds every IPv4 address too
+    return ip.is_unspecified or bool(mapped and mapped.is_unspecified)
 
 
-def parse_address(value: object, key: str, allow_any: bool) -> Address:
+def _is_any(host: str, resolve: Callable[[str], list[str]]) -> bool:
+    """Every address: the empty host, 0.0.0.0, ::, ::ffff:0.0.0.0, or a name resolving to one."""
+    if host == "" or _is_unspecified_ip(host):
+        return True
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+        return False
+    except ValueError:
+        pass
+    return any(_is_unspecified_ip(ip) for ip in resolve(host))
+
+
+def resolve_host(host: str) -> list[str]:
+    """The addresses a listen host name resolves to ([] when it does not resolve: binding will
+    report that)."""
+    try:
+        return [str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)]
+    except (OSError, UnicodeError):
+        return []
+
+
+def parse_address(value: object, key: str, allow_any: bool,
+                  resolve: Callable[[str], list[str]] | None = None) -> Address:
     """ "host:port" or "[v6]:port" (port 0-65535) → Address.
 
-    An address on every interface (0.0.0.0, ::, or an empty host) is refused unless
-    `allow_any` is true.
+    An address on every interface (0.0.0.0, ::, ::ffff:0.0.0.0, an empty host, or a name that
+    resolves to one of those) is refused unless `allow_any` is true.
     """
     text = _str(value, key)
     host_text, port_text = _split_host_port(text.strip(), key)
     if not _PORT.fullmatch(port_text) or int(port_text) > 65535:
         raise _fail(key, f"bad port in address {text!r} (0-65535)")
     host = _canonical_host(host_text, text, key)
-    if not allow_any and _is_any(host):
+    if not allow_any and _is_any(host, resolve or resolve_host):
         raise _fail(
             key,
             f"{text!r} listens on every address; bind a specific (e.g. tailnet) address, "

@@ -3,6 +3,7 @@ tokens, spoofed tailscale names. Raw HTTP over real sockets to the real addon in
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from test_e2e_v2 import WHOIS_TALOS, fake_tailscale
 
 from crossbar.admin import usage_table
 from crossbar.admin_access import AdminPolicy, host_of, refusal
+from crossbar.config import ConfigError, parse_address
 
 TOKEN = "s3cret-admin-token-0123456789"
 DRAIN = b'{"drain":true}'
@@ -208,3 +210,48 @@ def test_usage_table_escapes_every_control_character() -> None:
     rows = [{"key": "".join(map(chr, range(0x20))) + "\x7f\x9b", "requests": 1}]
     table = usage_table(rows)
     assert all(ch == "\n" or ch.isprintable() for ch in table)
+
+
+# ---------------------------------------------------------------- listen addresses
+
+
+@pytest.mark.parametrize("text", ["[::ffff:0.0.0.0]:7777", "[::]:7777", "0.0.0.0:7777", ":7777",
+                                  "[0:0:0:0:0:ffff:0:0]:7777"])
+def test_every_spelling_of_the_any_address_is_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="listens on every address"):
+        parse_address(text, "listen", allow_any=False)
+    parse_address(text, "listen", allow_any=True)
+
+
+def test_a_name_resolving_to_the_any_address_is_refused() -> None:
+    with pytest.raises(ConfigError, match="listens on every address"):
+        parse_address("everywhere.example:7777", "listen", False, resolve=lambda host: ["127.0.0.1", "::"])
+    tailnet = parse_address("box.example:7777", "listen", False, resolve=lambda host: ["100.64.0.1"])
+    assert tailnet.port == 7777
+    assert parse_address("unresolvable.invalid:7777", "listen", False, resolve=lambda host: []).port == 7777
+
+
+async def test_crossbar_listens_on_ipv6_loopback(tmp_path: Path) -> None:
+    async with admin_fleet(tmp_path, listen="[::1]:0") as proxy:
+        reader, writer = await asyncio.open_connection("::1", proxy.port)
+        writer.write(f"GET /_crossbar/hosts HTTP/1.1\r\nHost: [::1]:{proxy.port}\r\nConnection: close\r\n\r\n"
+                     .encode())
+        raw = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        status, _, body = split_response(raw)
+        assert status == 200 and "a" in json.loads(body)
+        chat = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+        reader, writer = await asyncio.open_connection("::1", proxy.port)
+        writer.write(request(proxy.port, "POST", "/r/v1/chat/completions", chat, Content_Type=JSON))
+        status, _, _ = split_response(await asyncio.wait_for(reader.read(), 10))
+        writer.close()
+        assert status == 200
+
+
+def test_the_systemd_unit_limits_files_and_descriptors() -> None:
+    """The unit creates files for the service user only and raises the descriptor limit."""
+    unit = (Path(__file__).resolve().parent.parent / "deploy" / "crossbar.service").read_text()
+    lines = [line for line in unit.splitlines() if "=" in line and not line.startswith("#")]
+    settings = dict(line.split("=", 1) for line in lines)
+    assert settings["UMask"] == "0077"
+    assert int(settings["LimitNOFILE"]) >= 65536
