@@ -37,6 +37,7 @@ from crossbar.flowcap import FlowCap
 from crossbar.identity import HeaderPeer, IdentityError, Tailscale, admitted
 from crossbar.lease import Key
 from crossbar.limiter import ClientGone
+from crossbar.limits import Limits
 from crossbar.store import StoreError
 from crossbar.tap import SSETap, usage_from_body
 from crossbar.upstream import forward_headers, preflight, resend
@@ -557,4 +558,5 @@ def _is_connect_failure(msg: str) -> bool:
 
 def make_addons() -> list[Any]:
     crossbar = Crossbar()
-    return [crossbar, FlowCap(lambda: crossbar.cfg.mitmweb_keep_flows if crossbar.cfg else 500)]
+    return [Limits(lambda: crossbar.router), crossbar,
+            FlowCap(lambda: crossbar.cfg.mitmweb_keep_flows if crossbar.cfg else 500)]
