@@ -10,7 +10,9 @@ over its `body_size_limit` with an HTML page. So crossbar wraps each connection'
   is counted as it arrives and cut with the same JSON 413 when it passes `max_body`;
 - a response head from an upstream over `max_head` never reaches mitmproxy: the client gets
   crossbar's JSON 502 and the host is marked down;
-- each peer address may hold at most `max_connections_per_peer` connections.
+- each peer address may hold at most `max_connections_per_peer` connections;
+- an upload that ends unfinished gives its memory back (mitmproxy's buffer waits for the cyclic
+  garbage collector, and glibc keeps freed heap).
 
 The framing code is pure (`RequestFramer`, `ResponseHeadFramer`); the readers and the addon only
 wire it to mitmproxy's connections.
@@ -20,6 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import json
 import logging
 import time
@@ -39,7 +44,9 @@ log = logging.getLogger("crossbar")
 
 MAX_CHUNK_LINE = 4096  # a chunk-size line (with extensions) or one trailer line
 DEADLINE_CHECK = 1.0  # seconds between looks at a deadline set while a read was waiting
-LINGER_SECONDS = 2.0  # after refusing, read (and drop) what the client still sends, so it sees the answer
+LINGER_SECONDS = 2.0
+TRIM_AFTER = 1024 * 1024  # an unfinished upload larger than this returns its memory to the system
+TRIM_DELAY = 0.5  # after refusing, read (and drop) what the client still sends, so it sees the answer
 HEAD, LENGTH, CHUNKED, PASS = "head", "length", "chunked", "pass"
 
 
@@ -287,6 +294,7 @@ class ClientReader:
         self.deadline: float | None = clock() + head_timeout_s
         self.closed = False
         self._pending: Refusal | None = None  # to answer at the next read, after delivering data
+        self.body_bytes = 0  # passed on since the last head began (the head included)
 
     def response_done(self) -> None:
         """The answer to the last request went out: the next head may take `idle_timeout` to begin."""
@@ -313,6 +321,8 @@ class ClientReader:
                     return out
                 return await self._refuse(refusal)
             if out:
+                fresh = self.framer.heads != heads_before
+                self.body_bytes = len(out) if fresh else self.body_bytes + len(out)
                 return out
         return b""
 
@@ -373,6 +383,14 @@ class UpstreamReader:
         return b""
 
 
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None on a C library without it."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def _transport(client: Client, conn: Connection) -> Any:
     """mitmproxy's I/O record (reader, writer) of one connection of a client's handler; None once gone."""
     handler = ctx.master.addons.get("proxyserver").connections.get(client.id)
@@ -395,6 +413,9 @@ class Limits:
     def __init__(self, router: Callable[[], Router | None]):
         self.router = router
         self.per_peer: Counter[str] = Counter()
+        self._counted: set[str] = set()  # ids of the client connections counted in per_peer
+        self._trim = _malloc_trim()
+        self._trim_pending = False
         self._clients: WeakKeyDictionary[Client, ClientReader] = WeakKeyDictionary()
         self._upstreams: WeakKeyDictionary[Connection, UpstreamReader] = WeakKeyDictionary()
 
@@ -427,6 +448,7 @@ class Limits:
             return
         peer = str(client.peername[0])
         self.per_peer[peer] += 1
+        self._counted.add(client.id)
         if self.per_peer[peer] > limits.max_connections_per_peer:
             self._refuse_connection(client, io, limits.max_connections_per_peer)
             return
@@ -445,13 +467,31 @@ class Limits:
         client.error = "too many connections from this peer"
 
     def client_disconnected(self, client: Client) -> None:
-        if client.peername is None or self.settings() is None:
+        if client.id not in self._counted:
             return
+        self._counted.discard(client.id)
         peer = str(client.peername[0])
         self.per_peer[peer] -= 1
         if self.per_peer[peer] <= 0:
             del self.per_peer[peer]
-        self._clients.pop(client, None)
+        reader = self._clients.pop(client, None)
+        if reader is not None and reader.framer.state in (LENGTH, CHUNKED) and reader.body_bytes > TRIM_AFTER:
+            self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        """An upload ended unfinished: once the connection's handler has ended, collect the
+        cycles holding its buffer and hand the freed heap back to the system (glibc keeps it)."""
+        if self._trim_pending:
+            return
+        self._trim_pending = True
+
+        def trim() -> None:
+            self._trim_pending = False
+            gc.collect()  # the buffer sits in mitmproxy's layer objects, which form reference cycles
+            if self._trim is not None:
+                self._trim(0)
+
+        asyncio.get_running_loop().call_later(TRIM_DELAY, trim)
 
     def _refused(self, refusal: Refusal) -> None:
         self.count(refusal.reason)

@@ -307,3 +307,36 @@ def test_response_head_framer() -> None:
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n\r\n", False)
     framer.expect_head()
     assert framer.feed(b"HTTP/1.1 200 OK\r\nX: " + b"a" * 100) == (b"", True)
+
+
+def rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+async def test_memory_returns_after_unfinished_uploads(tmp_path: Path) -> None:
+    """Eight uploads of 30 of their declared 32 MiB, then the clients leave: crossbar's memory
+    goes back near where it started (bounds are generous: this is not a benchmark)."""
+    async with rig(tmp_path, max_body="32MiB") as r:
+        pid = r.proxy.proc.pid
+        base = rss_mib(pid)
+        writers = []
+        for _ in range(8):
+            _, writer = await connect(r.port)
+            writer.write(head(Content_Length=str(32 * 1024 * 1024)))
+            for _ in range(30):
+                writer.write(b"x" * 1024 * 1024)
+                await writer.drain()
+            writers.append(writer)
+        await asyncio.sleep(0.5)
+        peak = rss_mib(pid)
+        assert peak - base > 150  # the buffers really were held
+        for writer in writers:
+            writer.close()
+        deadline = time.monotonic() + 10
+        while rss_mib(pid) - base > 60 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert rss_mib(pid) - base <= 60, (base, peak, rss_mib(pid))
