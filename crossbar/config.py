@@ -123,7 +123,7 @@ class Config:
     head_timeout: float = 10.0  # a request head must be complete this long after it began
     idle_timeout: float = 60.0  # a kept-alive client connection may idle this long between requests
     max_head: int = 64 * 1024  # request and response heads (request line / status line + headers)
-    max_connections_per_peer: int = 64
+    max_connections_per_peer: int = 256
 
 
 # Features parsed and validated now but refused by `check_supported` until they work.
