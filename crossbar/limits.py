@@ -185,12 +185,15 @@ class RequestFramer:
     def feed(self, data: bytes) -> tuple[bytes, Refusal | None]:
         """What may go on to mitmproxy now, and a refusal when the stream broke a limit (what is
         returned with a refusal is complete data mitmproxy may still have)."""
-        out = bytearray()
-        pos = 0
         if self._fresh and data:
             self._fresh = False
             if data[:1] == b"\x16" or data.startswith(b"PRI * HTTP/2"):
                 self.state = PASS  # TLS or HTTP/2: not ours to frame
+        if self.state == PASS or (self.state == LENGTH and len(data) < self._remaining):
+            self._remaining -= len(data) if self.state == LENGTH else 0
+            return data, None  # the common case, a body passing through: no copy
+        out = bytearray()
+        pos = 0
         while pos < len(data):
             if self.state == PASS:
                 out += data[pos:]
