@@ -274,7 +274,7 @@ def usage_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         prompt, cached = row.get("prompt_tokens") or 0, row.get("cached_tokens") or 0
         hit = f"{cached / prompt:.2f}" if prompt else "-"
-        line = [str(row["key"] or "-")] + [str(row.get(c) or 0) for c in USAGE_COLUMNS] + [hit]
+        line = [printable(str(row["key"] or "-"))] + [str(row.get(c) or 0) for c in USAGE_COLUMNS] + [hit]
         if uptime:
             line.append("-" if row.get("uptime") is None else f"{row['uptime']:.4f}")
         lines.append(line)
@@ -296,6 +296,18 @@ def _lease_json(lease: Lease) -> dict[str, Any]:
         "created": rfc3339(lease.created),
         "last_used": rfc3339(lease.last_used),
     }
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """`text` with every control character escaped (`\\x1b`), so a name chosen by a client
+    cannot move the cursor or rewrite the operator's terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100
+                   else f"\\u{ord(c):04x}") for c in text)
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

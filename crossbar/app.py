@@ -102,13 +102,18 @@ class Router:
             self.leases.hold(ex.key)
             ex.on_end(lambda: self.leases.unhold(ex.key, time.time()))
 
-    def estimate(self, ex: Exchange) -> int:
-        """Estimated prompt tokens of a completion (0 for reads)."""
-        return self.estimator.estimate(ex.model, ex.prompt_bytes) if ex.completion else 0
+    def estimate(self, ex: Exchange, host: str = "") -> int:
+        """Estimated prompt tokens of a completion (0 for reads): on `host`, from what its replies
+        taught about the model; without a host, the plain byte estimate."""
+        if not ex.completion:
+            return 0
+        if host:
+            return self.estimator.estimate(host, ex.model, ex.prompt_bytes)
+        return self.estimator.plain(ex.prompt_bytes)
 
-    def snapshot(self, route: RouteConf, model: str) -> Snapshot:
+    def snapshot(self, route: RouteConf, model: str, tokens: Callable[[str], int] | None = None) -> Snapshot:
         """The fleet for this model, read lazily: a request that stays on its lease reads only
-        its own host."""
+        its own host. `tokens` gives the prompt estimate per host (else the request's own)."""
         fleet = self.fleet
 
         def candidate(name: str) -> Candidate:
@@ -128,7 +133,8 @@ class Router:
             return fleet.slot_ctx(name, model) if model else 0
 
         known = not model or any(fleet.knows(name, model) for name in route.hosts)
-        return Snapshot(Lazy(route.hosts, candidate), Lazy(route.hosts, ctx), known)
+        per_host = Lazy(route.hosts, tokens) if tokens is not None else None
+        return Snapshot(Lazy(route.hosts, candidate), Lazy(route.hosts, ctx), known, per_host)
 
     def _ask(self, ex: Exchange, why: Reason) -> Ask:
         return Ask(route=ex.key.route, model=ex.model, hosts=ex.route.hosts, fp=ex.key.fp,
@@ -136,9 +142,18 @@ class Router:
                    why=why)
 
     def _place_once(self, ex: Exchange, why: Reason) -> Placement | Refusal:
-        return place(self._ask(ex, why), self.snapshot(ex.route, ex.model),
-                     self.leases.view(ex.key, read=not ex.completion, own=ex.completion),
-                     time.time(), self.cfg.lease_idle)
+        """Placement with each host's learned prompt estimate; a learned estimate alone never
+        refuses a prompt that the plain byte estimate lets fit, so a context refusal is checked
+        once more with the plain estimate."""
+        view = self.leases.view(ex.key, read=not ex.completion, own=ex.completion)
+        ask, now = self._ask(ex, why), time.time()
+        learned = self.snapshot(ex.route, ex.model, lambda host: self.estimate(ex, host))
+        result = place(ask, learned, view, now, self.cfg.lease_idle)
+        if isinstance(result, Refusal) and result.reason == Rejection.CONTEXT:
+            plain = place(ask, self.snapshot(ex.route, ex.model), view, now, self.cfg.lease_idle)
+            if not isinstance(plain, Refusal) or plain.reason != Rejection.CONTEXT:
+                return plain
+        return result
 
     async def place(self, ex: Exchange, why: Reason = Reason.UNHEALTHY) -> Placement:
         """Run placement; when it names hosts worth waking, wake them and run it again. A refusal
@@ -301,7 +316,10 @@ class Router:
         u = ex.usage
         if u is None:
             return
-        self.estimator.learn(ex.model, ex.prompt_bytes, u.prompt_tokens)
+        self.estimator.learn(host, ex.model, ex.path, ex.prompt_bytes, u.prompt_tokens)
+        if u.dropped:
+            log.warning("%s reported %d usage figure(s) out of range; stored as unknown", host, u.dropped)
+            self.metrics.usage_dropped.labels(host).inc(u.dropped)
         for kind, value in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens),
                             ("completion", u.completion_tokens)):
             if value:

@@ -90,6 +90,16 @@ BODY = """
 SCRIPT = """
 "use strict";
 const BASE = "/_crossbar/";
+// With admin_token set, open the page as /_crossbar/#token=<admin_token>: the fragment never
+// leaves the browser; the page keeps the token for this tab and sends it as a bearer token.
+const TOKEN = (() => {
+  const m = /(?:^#|&)token=([^&]*)/.exec(location.hash);
+  if (m) {
+    sessionStorage.setItem("crossbar-token", decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  return sessionStorage.getItem("crossbar-token") || "";
+})();
 const SOURCES = {hosts: "hosts", routes: "routes", usage: "usage?by=route&since=24h",
                  events: "events?limit=20"};
 
@@ -201,7 +211,10 @@ function renderCards(d) {
 }
 
 async function get(path) {
-  const resp = await fetch(BASE + path, {cache: "no-store", headers: {Accept: "application/json"}});
+  const headers = {Accept: "application/json"};
+  if (TOKEN) headers.Authorization = "Bearer " + TOKEN;
+  const resp = await fetch(BASE + path, {cache: "no-store", headers});
+  if (resp.status === 401) throw new Error("open this page as " + BASE + "#token=<admin_token>");
   if (!resp.ok) throw new Error(path.split("?")[0] + ": HTTP " + resp.status);
   return resp.json();
 }

@@ -97,6 +97,10 @@ class Metrics:
         )
         for rejection in Rejection:
             self.rejected.labels(str(rejection))
+        self.usage_dropped = Counter(
+            "crossbar_usage_figures_dropped", "Usage figures from a host that were out of range (stored as "
+            "NULL)", ["host"], registry=r,
+        )
 
     def lease_event(self, event: LeaseEvent) -> None:
         """A lease table listener: count every change of where a conversation lives."""

@@ -84,6 +84,7 @@ class Snapshot:
     candidates: Mapping[str, Candidate]  # per host of the route (only those asked about are read)
     ctx: Mapping[str, int]  # per-slot context for the model per host (0 = unknown)
     known: bool = True  # some host of the route lists or reports the model
+    tokens: Mapping[str, int] | None = None  # per-host prompt estimate (learned); None: `Ask.tokens`
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +123,8 @@ class _Fleet:
         return self.usable(host) and not self.by_name[host].draining
 
     def fits(self, host: str) -> bool:
-        return fits(self.ask.tokens, self.snap.ctx.get(host, 0))
+        tokens = self.ask.tokens if self.snap.tokens is None else self.snap.tokens.get(host, self.ask.tokens)
+        return fits(tokens, self.snap.ctx.get(host, 0))
 
     def serves(self, host: str) -> bool:
         c = self.by_name.get(host) if host in self.ask.hosts else None

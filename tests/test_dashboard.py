@@ -101,7 +101,7 @@ class Tables(HTMLParser):
 
 
 @asynccontextmanager
-async def dashboard_fleet(tmp_path: Path) -> AsyncIterator[Proxy]:
+async def dashboard_fleet(tmp_path: Path, **top: Any) -> AsyncIterator[Proxy]:
     specs = {name: HostSpec({model: {}}, sim=SimConfig(models=[model])) for name, model in HOSTS.items()}
     async with sim_fleet(specs) as fleet:
         hosts = {name: (fleet[name].url, specs[name]) for name in HOSTS}
@@ -109,7 +109,7 @@ async def dashboard_fleet(tmp_path: Path) -> AsyncIterator[Proxy]:
             "webapp": {"hosts": ["alpha-box", "beta-box"], "default_model": "m"},
             "odd": {"hosts": ["gamma-box"], "default_model": XSS_MODEL},
         }
-        cfg = write_config(tmp_path / "crossbar.toml", hosts, routes)
+        cfg = write_config(tmp_path / "crossbar.toml", hosts, routes, **top)
         async with crossbar_proxy(cfg) as proxy:
             yield proxy
 
@@ -274,3 +274,24 @@ async def test_screenshot(tmp_path: Path) -> None:
         await run_chromium(proxy.url + "/_crossbar/", tmp_path / "profile", f"--screenshot={shot}",
                            "--window-size=1280,900")
     assert shot.stat().st_size > 10_000
+
+
+TOKEN = "dashboard-test-token-0123456789"
+
+
+async def test_dashboard_works_behind_admin_token_and_admin_peers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every admin protection on (token, peers by tailscale identity, Host check), the page
+    opened as /_crossbar/#token=… renders; without the token it says how to open it."""
+    from test_e2e_v2 import WHOIS_TALOS, fake_tailscale
+
+    chromium()
+    fake_tailscale(tmp_path, WHOIS_TALOS)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    async with dashboard_fleet(tmp_path, admin_token=TOKEN, identity="tailscale",
+                               admin_peers=["talos"]) as proxy:
+        dom = await run_chromium(f"{proxy.url}/_crossbar/#token={TOKEN}", tmp_path / "p1", "--dump-dom")
+        assert set(Tables(dom).rows("hosts", "host")) == set(HOSTS)
+        dom = await run_chromium(f"{proxy.url}/_crossbar/", tmp_path / "p2", "--dump-dom")
+        assert Tables(dom).rows("hosts", "host") == {}
+        assert "open this page as /_crossbar/#token=" in dom

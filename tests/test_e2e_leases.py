@@ -64,7 +64,8 @@ async def admin(proxy: Proxy, path: str, body: Any = None, raw: bytes | None = N
             async with s.get(proxy.url + "/_crossbar/" + path) as resp:
                 return resp.status, await resp.json()
         data = raw if raw is not None else json.dumps(body).encode()
-        async with s.post(proxy.url + "/_crossbar/" + path, data=data) as resp:
+        async with s.post(proxy.url + "/_crossbar/" + path, data=data,
+                          headers={"Content-Type": "application/json"}) as resp:
             return resp.status, await resp.json(content_type=None)
 
 

@@ -125,7 +125,7 @@ async def test_disallowed_path_is_404_json_and_never_forwarded(
 async def test_unknown_admin_endpoint_is_404_json(tmp_path: Path) -> None:
     async with one_host(tmp_path) as (_, proxy):
         status, headers, body = split_response(await raw_http(
-            proxy.port, b"GET /_crossbar/nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+            proxy.port, b"GET /_crossbar/nope HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"))
         assert_crossbar_error(status, headers, body, 404)
 
 

@@ -88,9 +88,11 @@ async def rig(tmp_path: Path, base_url: str = "http://llama-1.test:8080") -> Asy
 def make_flow(path: str, body: Any = None, method: str = "POST") -> http.HTTPFlow:
     content = b"" if body is None else json.dumps(body).encode()
     req = tutils.treq(method=method.encode(), host="placeholder", port=9, path=path.encode(),
-                      headers=http.Headers(host="placeholder:9", content_type="application/json"),
+                      headers=http.Headers(host="127.0.0.1:7777", content_type="application/json"),
                       content=content)
-    return tflow.tflow(req=req)
+    flow = tflow.tflow(req=req)
+    flow.client_conn.sockname = ("127.0.0.1", 7777)  # the listener the client reached (its Host)
+    return flow
 
 
 def sse_response() -> http.Response:

@@ -366,3 +366,20 @@ def test_usage_from_body_tolerant(body: bytes | None) -> None:
 )
 def test_tokens_per_second(usage: Usage, expected: float | None) -> None:
     assert usage.tokens_per_second == expected
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected", "dropped"),
+    [
+        ({"usage": {"prompt_tokens": 2**70, "completion_tokens": 3}}, Usage(None, None, 3, None), 1),
+        ({"usage": {"prompt_tokens": 5, "completion_tokens": 1e308}}, Usage(5, None, None, None), 1),
+        ({"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 6}}}, Usage(5), 1),
+        ({"timings": {"prompt_n": 1, "cache_n": -3, "predicted_ms": 1e300}}, Usage(), 2),
+        ({"usage": {"prompt_tokens": 1 << 30, "completion_tokens": 0}}, Usage(1 << 30, None, 0), 0),
+    ],
+)
+def test_figures_out_of_range_are_unknown_and_counted(obj: dict[str, Any], expected: Usage,
+                                                      dropped: int) -> None:
+    usage = usage_from_object(obj)
+    assert usage == expected
+    assert usage is not None and usage.dropped == dropped

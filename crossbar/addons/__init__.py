@@ -4,6 +4,7 @@ asks the pure `crossbar.placement` where each request goes.
 
 mitmproxy calls the addons in this order for every hook:
 
+  Limits        connection-level bounds: request and response heads, bodies, connections per peer
   Listeners     options, configuration, the router, every listener the TOML names
   Clients       client connections: a queued request notices at once that its client left
   AdminApi      `/_crossbar/…` answered without contacting any upstream
@@ -26,6 +27,7 @@ from crossbar.addons.listeners import Listeners
 from crossbar.addons.route import Route
 from crossbar.addons.runtime import Clients, Runtime
 from crossbar.flowcap import FlowCap
+from crossbar.limits import Limits
 
 __all__ = ["Runtime", "make_addons"]
 
@@ -33,5 +35,6 @@ __all__ = ["Runtime", "make_addons"]
 def make_addons(rt: Runtime | None = None) -> list[Any]:
     """The addons around one shared `Runtime` (pass one to inspect it, as the tests do)."""
     rt = rt or Runtime()
-    return [Listeners(rt), Clients(rt), AdminApi(rt), GracefulStop(rt), Route(rt), Failover(rt), Account(rt),
+    return [Limits(lambda: rt.router), Listeners(rt), Clients(rt), AdminApi(rt), GracefulStop(rt),
+            Route(rt), Failover(rt), Account(rt),
             FlowCap(lambda: rt.cfg.mitmweb_keep_flows if rt.cfg else 500)]

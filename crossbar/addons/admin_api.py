@@ -7,9 +7,10 @@ import logging
 
 from mitmproxy import http
 
-from crossbar import errors
+from crossbar import admin_access, errors
 from crossbar.addons.runtime import ADMIN, LOCAL, MAIN, Runtime
 from crossbar.admin import is_admin_path
+from crossbar.errors import CrossbarError
 
 log = logging.getLogger("crossbar")
 
@@ -28,6 +29,17 @@ class AdminApi:
         serves_admin = ADMIN if rt.cfg.admin_listen is not None else MAIN
         if role != serves_admin or not is_admin_path(flow.request.path):
             rt.answer(flow, errors.not_found(f"no such path here: {flow.request.path[:100]!r}"), None)
+            return
+        try:
+            names = await rt.caller_names(flow) if rt.cfg.admin_peers else None
+        except CrossbarError as exc:
+            rt.answer(flow, exc, None)
+            return
+        r = flow.request
+        denied = admin_access.refusal(r.method, r.path, r.headers, flow.client_conn.sockname[0], names,
+                                      rt.admin_policy)
+        if denied is not None:
+            rt.answer(flow, denied, None)
             return
         try:
             reply = await rt.admin.handle(

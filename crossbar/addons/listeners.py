@@ -10,10 +10,11 @@ import aiohttp
 from mitmproxy import ctx, exceptions
 from mitmproxy.addonmanager import Loader
 
+from crossbar import admin_access
 from crossbar.addons.runtime import ADMIN, MAIN, PLACEHOLDER, ROUTE, Runtime
 from crossbar.admin import Admin
 from crossbar.app import Router
-from crossbar.config import ConfigError, load_config
+from crossbar.config import Address, ConfigError, load_config
 from crossbar.identity import IdentityError
 from crossbar.store import StoreError
 
@@ -48,6 +49,7 @@ class Listeners:
         # max_body; a request body announced past the bound is closed (see `Route`).
         ctx.options.update(
             connection_strategy="lazy",
+            keep_host_header=True,  # the admin API checks the Host the client sent
             stream_large_bodies=str(2 * rt.cfg.max_body + (1 << 20)),
             tcp_timeout=max(600, int(rt.cfg.first_byte_timeout) + 60),
         )
@@ -66,6 +68,7 @@ class Listeners:
             await router.close()
             return
         rt.router, rt.admin = router, Admin(router)
+        rt.admin_policy = admin_access.AdminPolicy.from_config(rt.cfg)
         rt.session = aiohttp.ClientSession()
         router.start_background()
         await self._listen()
@@ -87,12 +90,12 @@ class Listeners:
     async def _listen(self) -> None:
         rt, cfg = self.rt, self.rt.cfg
         assert cfg is not None
-        rt.roles = {f"reverse:{PLACEHOLDER}@{cfg.listen}": (MAIN, "")}
+        rt.roles = {listen_spec(cfg.listen): (MAIN, "")}
         if cfg.admin_listen is not None:
-            rt.roles[f"reverse:{PLACEHOLDER}@{cfg.admin_listen}"] = (ADMIN, "")
+            rt.roles[listen_spec(cfg.admin_listen)] = (ADMIN, "")
         for name, route in cfg.routes.items():
             if route.listen is not None:
-                rt.roles[f"reverse:{PLACEHOLDER}@{route.listen}"] = (ROUTE, name)
+                rt.roles[listen_spec(route.listen)] = (ROUTE, name)
         rt.listen_specs = list(rt.roles)
         _ensure_certstore()
         ctx.options.update(server=True, mode=rt.listen_specs)
@@ -104,7 +107,13 @@ class Listeners:
         if len(ps.listen_addrs()) < len(rt.listen_specs):
             log.error("crossbar: could not listen on %s", ", ".join(rt.listen_specs))
             return
-        log.info("crossbar: serving on %s", ", ".join(f"{h}:{p}" for h, p, *_ in ps.listen_addrs()))
+        log.info("crossbar: serving on %s", ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
+                                                      for h, p, *_ in ps.listen_addrs()))
+
+
+def listen_spec(address: Address) -> str:
+    """mitmproxy's mode spec for a listener; it takes an IPv6 host without brackets (`@::1:7777`)."""
+    return f"reverse:{PLACEHOLDER}@{address.host}:{address.port}"
 
 
 def _ensure_certstore() -> None:

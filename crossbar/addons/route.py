@@ -14,7 +14,7 @@ from crossbar.config import RouteConf
 from crossbar.decisions import Rejection
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
-from crossbar.identity import HeaderPeer, IdentityError, admitted
+from crossbar.identity import admitted
 from crossbar.lease import Key
 from crossbar.limiter import ClientGone
 
@@ -85,14 +85,6 @@ class Route:
         assert cfg is not None
         if not route.peers or cfg.identity == "off":
             return
-        try:
-            if cfg.identity == "header":
-                names = await HeaderPeer().names_from(flow.request.headers)
-            else:
-                names = await self.rt.tailscale.names(flow.client_conn.peername[0])
-        except IdentityError as exc:
-            log.warning("crossbar: identity check failed: %s", exc)
-            raise errors.unavailable(f"cannot establish who is calling: {exc}", retry_after=5,
-                                     reason=Rejection.IDENTITY) from exc
+        names = await self.rt.caller_names(flow)
         if not admitted(route.peers, names):
             raise errors.forbidden(f"route {route.name!r} is not open to this caller")

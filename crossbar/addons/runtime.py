@@ -7,24 +7,29 @@ per-connection maps are keyed weakly by mitmproxy's client connection, so nothin
 from __future__ import annotations
 
 import asyncio
+import logging
 from weakref import WeakKeyDictionary
 
 import aiohttp
 from mitmproxy import ctx, http
 from mitmproxy.connection import Client, Connection
 
+from crossbar import admin_access, errors
 from crossbar.admin import Admin
 from crossbar.app import Router
 from crossbar.config import Config
+from crossbar.decisions import Rejection
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
-from crossbar.identity import Tailscale
+from crossbar.identity import HeaderPeer, IdentityError, Tailscale
 
 META = "crossbar"  # flow.metadata key of the flow's Exchange
 LOCAL = "crossbar.local"  # flow.metadata key: crossbar answered this flow itself
 MAIN, ADMIN, ROUTE = "main", "admin", "route"  # listener roles
 PLACEHOLDER = "http://127.0.0.1:1"  # reverse target never contacted: every request is rewritten
 JSON_HEADERS = {"Content-Type": "application/json"}
+
+log = logging.getLogger("crossbar")
 
 
 class Runtime:
@@ -34,6 +39,7 @@ class Runtime:
         self.admin: Admin | None = None
         self.session: aiohttp.ClientSession | None = None  # crossbar's own upstream requests (retries)
         self.tailscale = Tailscale()
+        self.admin_policy = admin_access.AdminPolicy(frozenset())
         self.listen_specs: list[str] = []
         self.roles: dict[str, tuple[str, str]] = {}  # listener spec → (role, route name)
         self.stopping = False
@@ -46,6 +52,19 @@ class Runtime:
     def role(self, flow: http.HTTPFlow) -> tuple[str, str]:
         """(listener role, route name of a route's own listener) for the flow."""
         return self.roles.get(flow.client_conn.proxy_mode.full_spec, (MAIN, ""))
+
+    async def caller_names(self, flow: http.HTTPFlow) -> frozenset[str]:
+        """Who is calling, by the configured identity; an identity that cannot be established is
+        a 503, never an open door."""
+        assert self.cfg is not None
+        try:
+            if self.cfg.identity == "header":
+                return await HeaderPeer().names_from(flow.request.headers)
+            return await self.tailscale.names(flow.client_conn.peername[0])
+        except IdentityError as exc:
+            log.warning("crossbar: identity check failed: %s", exc)
+            raise errors.unavailable(f"cannot establish who is calling: {exc}", retry_after=5,
+                                     reason=Rejection.IDENTITY) from exc
 
     def gone_event(self, flow: http.HTTPFlow) -> asyncio.Event:
         return self.gone.setdefault(flow.client_conn, asyncio.Event())
