@@ -175,7 +175,8 @@ class Router:
             case Rejection.MISSING_MODEL | Rejection.UNKNOWN_MODEL:
                 return errors.bad_request(refusal.message, refusal.reason)
             case Rejection.CONTEXT:
-                err = overflow(self.estimate(ex), refusal.n_ctx)
+                tokens = max(self.estimate(ex, host) for host in ex.route.hosts)  # the best-informed
+                err = overflow(tokens, refusal.n_ctx)
                 err.reason = Rejection.CONTEXT
                 return err
             case Rejection.PINNED_DOWN:
