@@ -37,6 +37,7 @@ from crossbar.flowcap import FlowCap
 from crossbar.identity import HeaderPeer, IdentityError, Tailscale, admitted
 from crossbar.lease import Key
 from crossbar.limiter import ClientGone
+from crossbar.secret import SecretError, load_or_create, secret_path
 from crossbar.store import StoreError
 from crossbar.tap import SSETap, usage_from_body
 from crossbar.upstream import forward_headers, preflight, resend
@@ -67,6 +68,7 @@ class Crossbar:
         self._roles: dict[str, tuple[str, str]] = {}  # listener spec → (role, route name)
         self.stopping = False
         self.tailscale = Tailscale()
+        self.fp_key = b""  # the install's secret that keys fingerprints, read at start
 
     # ------------------------------------------------------------ options and lifecycle
 
@@ -97,6 +99,11 @@ class Crossbar:
 
     async def running(self) -> None:
         if self.cfg is None:  # the configuration error was logged; mitmproxy exits
+            return
+        try:
+            self.fp_key = load_or_create(secret_path(self.cfg.db))
+        except SecretError as exc:
+            log.error("crossbar: %s", exc)
             return
         router = Router(self.cfg)
         try:
@@ -263,10 +270,11 @@ class Crossbar:
         route = resolved.route
         await self._admit(flow, route)
         if control:
-            model = r.query.get("model") or route.default_model
+            model = resolved.model or route.default_model
             return Exchange(route=route, key=Key(route.name, "", model), path=resolved.upstream_path,
                             completion=False)
-        peek = req.peek_body(r.raw_content, resolved.path, route.default_model, self.cfg.max_body)
+        peek = await req.peek_body_off_loop(r.raw_content, resolved.path, route.default_model,
+                                            self.cfg.max_body, self.fp_key)
         fp = peek.fingerprint if route.affinity == "conversation" else ""
         return Exchange(
             route=route, key=Key(route.name, fp, peek.model), path=resolved.upstream_path,
