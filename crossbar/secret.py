@@ -30,6 +30,7 @@ def load_or_create(path: Path) -> bytes:
     except FileNotFoundError:
         pass
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         _create(path)
     except FileExistsError:
         pass  # another process created it first: use theirs
@@ -64,7 +65,6 @@ def _read(path: Path) -> bytes:
 def _create(path: Path) -> None:
     """Write a new key to a temporary file, then link it into place: a crash never leaves a
     half-written secret, and two processes starting at once end up with the same one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
