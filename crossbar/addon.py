@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -37,6 +38,7 @@ from crossbar.flowcap import FlowCap
 from crossbar.identity import HeaderPeer, IdentityError, Tailscale, admitted
 from crossbar.lease import Key
 from crossbar.limiter import ClientGone
+from crossbar.reclaim import Reclaimer, freeze_startup, thaw
 from crossbar.secret import SecretError, load_or_create, secret_path
 from crossbar.store import StoreError
 from crossbar.tap import SSETap, usage_from_body
@@ -50,6 +52,7 @@ PLACEHOLDER = "http://127.0.0.1:1"  # reverse target never contacted: every requ
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 PASSIVE_DOWN_STATUSES = frozenset({502, 503, 504})
 JSON_HEADERS = {"Content-Type": "application/json"}
+SWITCH_INTERVAL = 0.001  # seconds a thread holds the interpreter while another waits for it
 
 
 class Crossbar:
@@ -69,6 +72,7 @@ class Crossbar:
         self.stopping = False
         self.tailscale = Tailscale()
         self.fp_key = b""  # the install's secret that keys fingerprints, read at start
+        self.reclaimer = Reclaimer()
 
     # ------------------------------------------------------------ options and lifecycle
 
@@ -90,12 +94,7 @@ class Crossbar:
             log.error("crossbar config: %s", exc)
             self.cfg = None
             return
-        # a hard memory guard; crossbar itself answers JSON 413 above max_body
-        ctx.options.update(
-            connection_strategy="lazy",
-            body_size_limit=str(2 * self.cfg.max_body + (1 << 20)),
-            tcp_timeout=max(600, int(self.cfg.first_byte_timeout) + 60),
-        )
+        ctx.options.update(**mitmproxy_options(self.cfg))
 
     async def running(self) -> None:
         if self.cfg is None:  # the configuration error was logged; mitmproxy exits
@@ -105,6 +104,9 @@ class Crossbar:
         except SecretError as exc:
             log.error("crossbar: %s", exc)
             return
+        # a worker thread peeking a large body hands the interpreter back to the event loop
+        # within 1 ms (the default is 5 ms: every other stream's next event would wait that long)
+        sys.setswitchinterval(SWITCH_INTERVAL)
         router = Router(self.cfg)
         try:
             router.open()
@@ -118,6 +120,7 @@ class Crossbar:
         self._session = aiohttp.ClientSession()
         router.start_background()
         await self._listen()
+        freeze_startup()
 
     async def _start_identity(self) -> bool:
         assert self.cfg is not None
@@ -170,6 +173,8 @@ class Crossbar:
                             len(self.router.live))
         if self._session:
             await self._session.close()
+        self.reclaimer.cancel()
+        thaw()
         await self.router.close()
         log.info("crossbar: stopped")
 
@@ -488,6 +493,8 @@ class Crossbar:
             ex.tap = tap
 
     def error(self, flow: http.HTTPFlow) -> None:
+        if flow.request.timestamp_end is None:  # the client gave up on its request body half-way
+            self.reclaimer.abandoned()
         ex: Exchange | None = flow.metadata.get(META)
         if ex is None or self.router is None:
             return
@@ -502,6 +509,13 @@ class Crossbar:
             ex.status = flow.response.status_code
         self._done_with(flow)
         self.router.finish(ex)
+
+
+def mitmproxy_options(cfg: Config) -> dict[str, Any]:
+    """The mitmproxy options crossbar sets for itself (the benchmark gives bare mitmdump the same).
+    `body_size_limit` is a hard memory guard: crossbar itself answers JSON 413 above max_body."""
+    return {"connection_strategy": "lazy", "body_size_limit": str(2 * cfg.max_body + (1 << 20)),
+            "tcp_timeout": max(600, int(cfg.first_byte_timeout) + 60)}
 
 
 def _ensure_certstore() -> None:

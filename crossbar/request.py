@@ -16,10 +16,10 @@ import hashlib
 import hmac
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qsl, quote
 
 from crossbar.config import RouteConf
@@ -268,6 +268,7 @@ def _refuse_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 _SCAN = _DECODER.scan_once
 _WS = re.compile(r"[ \t\n\r]*")
+_COMMA = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
 
 
 def _decode_utf8(raw: bytes) -> str:
@@ -288,40 +289,54 @@ def _scan_value(text: str, at: int) -> tuple[Any, int]:
         raise json.JSONDecodeError("Expecting value", text, stop.value) from None
 
 
-def _scan_array(text: str, at: int) -> tuple[list[Any], int]:
-    """The array that opens at text[at], one element per C call."""
+class Sink(Protocol):
+    def add(self, item: Any) -> None: ...
+
+
+def _scan_array(text: str, at: int, sink: Sink | None = None) -> tuple[Any, int]:
+    """The array that opens at text[at], one element per C call; with a `sink`, each element goes
+    to it (and is dropped: nothing piles up for the garbage collector) and the sink stands in for
+    the array."""
     items: list[Any] = []
+    add = items.append if sink is None else sink.add
+    scan, comma = _SCAN, _COMMA.match
     at = _WS.match(text, at + 1).end()
-    if text.startswith("]", at):
-        return items, at + 1
-    while True:
-        item, at = _scan_value(text, at)
-        items.append(item)
+    if not text.startswith("]", at):
+        try:
+            while True:
+                item, at = scan(text, at)
+                add(item)
+                separator = comma(text, at)
+                if separator is None:
+                    break
+                at = separator.end()
+        except StopIteration as stop:
+            raise json.JSONDecodeError("Expecting value", text, stop.value) from None
         at = _WS.match(text, at).end()
-        if text.startswith(",", at):
-            at = _WS.match(text, at + 1).end()
-        elif text.startswith("]", at):
-            return items, at + 1
-        else:
+        if not text.startswith("]", at):
             raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
+    return sink if sink is not None else items, at + 1
 
 
-def _loads_piecewise(text: str) -> Any:
+def _loads_piecewise(text: str, sinks: Mapping[str, Callable[[], Sink]] | None = None) -> Any:
     """`json.loads(text)`, taking a top-level object one member at a time and a top-level array
     member one element at a time. A single C call never parses the whole body, so a worker thread
-    running this hands the interpreter lock back to the event loop between pieces."""
+    running this hands the interpreter lock back to the event loop between pieces. The elements
+    of a top-level array named in `sinks` go to a new sink of that name (a repeated name starts a
+    new one: the last wins, as in `json.loads`), which stands in for the array."""
     at = _WS.match(text, 0).end()
     if not text.startswith("{", at):
         value, at = _scan_value(text, at)
     else:
-        value, at = _scan_members(text, at)
+        value, at = _scan_members(text, at, sinks or {})
     end = _WS.match(text, at).end()
     if end != len(text):
         raise json.JSONDecodeError("Extra data", text, end)
     return value
 
 
-def _scan_members(text: str, at: int) -> tuple[dict[str, Any], int]:
+def _scan_members(text: str, at: int, sinks: Mapping[str, Callable[[], Sink]],
+                  ) -> tuple[dict[str, Any], int]:
     obj: dict[str, Any] = {}
     at = _WS.match(text, at + 1).end()
     if text.startswith("}", at):
@@ -334,7 +349,10 @@ def _scan_members(text: str, at: int) -> tuple[dict[str, Any], int]:
         if not text.startswith(":", at):
             raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
         at = _WS.match(text, at + 1).end()
-        obj[key], at = _scan_array(text, at) if text.startswith("[", at) else _scan_value(text, at)
+        if text.startswith("[", at):
+            obj[key], at = _scan_array(text, at, sinks[key]() if key in sinks else None)
+        else:
+            obj[key], at = _scan_value(text, at)
         at = _WS.match(text, at).end()
         if text.startswith(",", at):
             at = _WS.match(text, at + 1).end()
@@ -344,16 +362,20 @@ def _scan_members(text: str, at: int) -> tuple[dict[str, Any], int]:
             raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
 
 
-def _load_object(raw: bytes) -> dict[str, Any]:
+def _load_object(raw: bytes, sinks: Mapping[str, Callable[[], Sink]] | None = None) -> dict[str, Any]:
     """The body as a JSON object. NaN and ±Infinity are refused (they are not JSON). A large body
-    is decoded and parsed a piece at a time (the same result and errors as one `json.loads`)."""
+    is decoded and parsed a piece at a time (the same result and errors as one `json.loads`), its
+    top-level arrays named in `sinks` fed to them one element at a time."""
     piecewise = len(raw) >= OFF_LOOP_BYTES
     try:
         text = _decode_utf8(raw) if piecewise else raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8") from None
     try:
-        obj = _loads_piecewise(text) if piecewise else json.loads(text, parse_constant=_refuse_constant)
+        if piecewise:
+            obj = _loads_piecewise(text, sinks)
+        else:
+            obj = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as e:
         reason = f"{e.msg} at line {e.lineno} column {e.colno}"
         raise bad_request(f"request body is not valid JSON: {reason}") from None
@@ -408,26 +430,51 @@ def _tool_call_bytes(calls: Any) -> int:
     return total
 
 
-def _chat_prompt_bytes(body: Mapping[str, Any]) -> tuple[list[Any], int]:
-    """Roles, message texts, tool calls and tool definitions: everything the chat template turns
-    into prompt tokens, apart from the template's own fixed text."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise bad_request("'messages' must be a list")
-    total = 0
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
+class _ChatTally:
+    """Chat messages, one at a time: validated, their prompt bytes (roles, texts, tool calls)
+    summed, the first system and first user text kept for the fingerprint."""
+
+    __slots__ = ("count", "prompt_bytes", "system", "user")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.prompt_bytes = 0
+        self.system: bytes | None = None
+        self.user: bytes | None = None
+
+    def add(self, message: Any) -> None:
         if not isinstance(message, dict):
-            raise bad_request(f"{where} must be an object")
+            raise bad_request(f"messages[{self.count}] must be an object")
         role = message.get("role")
         if not isinstance(role, str):
-            raise bad_request(f"{where}.role must be a string")
-        total += _utf8_len(role) + _content_text_bytes(message.get("content"), where)
-        total += _tool_call_bytes(message.get("tool_calls"))
+            raise bad_request(f"messages[{self.count}].role must be a string")
+        content = message.get("content")
+        self.prompt_bytes += _utf8_len(role) + _content_text_bytes(content, f"messages[{self.count}]")
+        if "tool_calls" in message:
+            self.prompt_bytes += _tool_call_bytes(message["tool_calls"])
+        if self.system is None and role in SYSTEM_ROLES:
+            self.system = _text_prefix(content)
+        elif self.user is None and role == "user":
+            self.user = _text_prefix(content)
+        self.count += 1
+
+
+def _chat_tally(body: Mapping[str, Any]) -> _ChatTally:
+    """Everything the chat template turns into prompt tokens, apart from its own fixed text:
+    the messages' roles, texts and tool calls, and the tool definitions."""
+    messages = body.get("messages")
+    if isinstance(messages, _ChatTally):  # a large body's messages, tallied while it was parsed
+        tally = messages
+    elif isinstance(messages, list):
+        tally = _ChatTally()
+        for message in messages:
+            tally.add(message)
+    else:
+        raise bad_request("'messages' must be a list")
     tools = body.get("tools")
     if isinstance(tools, list) and tools:
-        total += _json_len(tools)
-    return messages, total
+        tally.prompt_bytes += _json_len(tools)
+    return tally
 
 
 def _piece_bytes(item: Any) -> int:
@@ -488,12 +535,12 @@ def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int, f
         return BodyPeek(default_model, False, False, "", 0, 0)
     if not raw:
         raise bad_request("request body must be a JSON object")
-    body = _load_object(raw)
+    body = _load_object(raw, {"messages": _ChatTally} if path == CHAT_PATH else None)
     model, stream, include_usage = _common_fields(body, default_model)
     if path == CHAT_PATH:
-        messages, prompt_bytes = _chat_prompt_bytes(body)
-        return BodyPeek(model, stream, include_usage, fingerprint(messages, fp_key), prompt_bytes,
-                        len(messages))
+        tally = _chat_tally(body)
+        fp = _digest(tally.system, tally.user, fp_key)
+        return BodyPeek(model, stream, include_usage, fp, tally.prompt_bytes, tally.count)
     key = "prompt" if path == COMPLETIONS_PATH else "input"
     return BodyPeek(model, stream, include_usage, "", _text_or_list_bytes(body, key), 0)
 
@@ -549,6 +596,10 @@ def fingerprint(messages: Sequence[Mapping[str, Any]], key: bytes) -> str:
             user = _text_prefix(message.get("content"))
         if system is not None and user is not None:
             break
+    return _digest(system, user, key)
+
+
+def _digest(system: bytes | None, user: bytes | None, key: bytes) -> str:
     if user is None:
         return ""
     system = system or b""

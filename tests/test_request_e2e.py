@@ -117,9 +117,9 @@ async def test_a_large_body_is_parsed_off_the_event_loop(tmp_path: Path,
     threads: list[tuple[int, int]] = []
     load = req._load_object
 
-    def spy(raw: bytes) -> dict[str, Any]:
+    def spy(raw: bytes, *args: Any) -> dict[str, Any]:
         threads.append((len(raw), threading.get_ident()))
-        return load(raw)
+        return load(raw, *args)
 
     monkeypatch.setattr(req, "_load_object", spy)
     small = {"messages": [{"role": "user", "content": "hi"}]}
