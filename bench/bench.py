@@ -56,6 +56,7 @@ from mitmproxy.test import tflow, tutils
 
 from crossbar import request as req
 from crossbar.addon import META, Crossbar, mitmproxy_options
+from crossbar.admin import Admin
 from crossbar.app import Router
 from crossbar.config import Config, load_config, parse_config
 from crossbar.exchange import Exchange
@@ -836,6 +837,7 @@ async def run_decision(plan: Plan, workdir: Path, overhead: dict[str, Any] | Non
     async with decision_router(workdir, plan.leases) as (addon, router):
         for size_name, n in plan.decision_n.items():
             result["sizes"][size_name] = await decision_size(addon, router, SIZES[size_name], n)
+        result["admin"] = await admin_view_cost(router, SNAPSHOT_LEASES)
     for size_name, d in result["sizes"].items():
         # (a `--real` overhead run has no 1 MiB bodies: that ratio is then n/a)
         mitm = (overhead or {}).get("sizes", {}).get(size_name, {}).get("targets", {}).get("mitmdump")
@@ -845,9 +847,34 @@ async def run_decision(plan: Plan, workdir: Path, overhead: dict[str, Any] | Non
         d["ratio_p50"] = ratio(d["total_p50_us"] / 1e3, d["mitmdump_added_ttfb_p50_ms"])
         d["ratio_p99"] = ratio(d["total_p99_us"] / 1e3, d["mitmdump_added_ttfb_p99_ms"])
         d["ratio_of_full_ttfb_p50"] = ratio(d["total_p50_us"] / 1e3, d["mitmdump_ttfb_p50_ms"])
-    result["table"] = decision_table(result["sizes"], plan.leases)
+    result["table"] = decision_table(result["sizes"], plan.leases) + "\n\n" + admin_table(result["admin"])
     section("Decision cost (in-process, µs)", result["table"])
     return result
+
+
+SNAPSHOT_LEASES = 20_000
+ADMIN_REPEATS = 7
+
+
+async def admin_view_cost(router: Router, leases: int) -> dict[str, Any]:
+    """What the dashboard's lease views cost the event loop at `leases` leases (median ms)."""
+    await prefill_leases(router, router.cfg, leases - router.leases.count())
+    admin = Admin(router)
+    out: dict[str, Any] = {"leases": router.leases.count()}
+    for name, view in (("snapshot_ms", router.leases.snapshot), ("routes_ms", admin.routes)):
+        times = []
+        for _ in range(ADMIN_REPEATS):
+            t0 = now_ns()
+            view()
+            times.append((now_ns() - t0) / 1e6)
+        out[name] = pct(times, 50)
+    return out
+
+
+def admin_table(a: dict[str, Any]) -> str:
+    return (f"Lease views at {a['leases']:,} leases (median of {ADMIN_REPEATS}, ms; the dashboard asks every "
+            "2 s): `LeaseTable.snapshot()` " + fmt(a["snapshot_ms"], 1) + ", `GET /_crossbar/routes` body "
+            + fmt(a["routes_ms"], 1) + ".")
 
 
 def decision_table(sizes: dict[str, Any], leases: int) -> str:

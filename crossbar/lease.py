@@ -11,7 +11,7 @@ whose calls never block and never raise. Not thread-safe: use from one event loo
 
 from __future__ import annotations
 
-import dataclasses
+import operator
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -326,6 +326,10 @@ class LeaseTable:
         self._persist.record_event(now, key.route, key.fp, key.model, from_host, to_host, reason)
 
 
+_ORDER = operator.attrgetter("key.route", "key.fp", "key.model")
+
+
 def _sorted_copies(leases: Iterable[Lease]) -> list[Lease]:
-    ordered = sorted(leases, key=lambda lease: (lease.key.route, lease.key.fp, lease.key.model))
-    return [dataclasses.replace(lease) for lease in ordered]
+    # built directly: dataclasses.replace() costs several times more per lease
+    return [Lease(lease.key, lease.host, lease.state, lease.created, lease.last_used)
+            for lease in sorted(leases, key=_ORDER)]

@@ -56,7 +56,9 @@ NO_ROUTE = "no route: put the route in the path (/<route>/v1/...) or in X-Crossb
 FINGERPRINT_BYTES = 4096
 MODEL_MAX = 256  # characters of a model name; longer or unprintable names are refused
 TOKEN_ID_BYTES = int(DEFAULT_BYTES_PER_TOKEN)  # a literal token id counts as this many prompt bytes
-OFF_LOOP_BYTES = 64 * 1024  # bodies this large are peeked in a worker thread
+# Bodies this large are peeked in a worker thread, a piece at a time; a smaller one is parsed on the
+# loop with one json.loads (about 1 ms per MiB), which is quicker than the thread's hand-over.
+OFF_LOOP_BYTES = 2 * 1024 * 1024
 _DECODE_PIECE = 1 << 20  # UTF-8 is decoded a piece at a time: each C call stays short
 SYSTEM_ROLES = frozenset({"system", "developer"})
 _SHOW_MAX = 130  # longest untrusted text quoted in an error message

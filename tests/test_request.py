@@ -687,11 +687,11 @@ def test_piecewise_parse_refuses_what_json_loads_refuses(text: str) -> None:
 
 def test_large_body_peeks_like_a_small_one() -> None:
     messages = [{"role": "system", "content": "s"}]
-    messages += [{"role": "user", "content": f"é {i}"} for i in range(5000)]
+    messages += [{"role": "user", "content": f"é {i}"} for i in range(70_000)]
     raw = json.dumps({"model": "m", "messages": messages, "stream": True}).encode()
     assert len(raw) > OFF_LOOP_BYTES
     peek = peek_body(raw, CHAT, "", 4 * MIB, KEY)
-    assert peek.n_messages == 5001 and peek.stream and peek.model == "m"
+    assert peek.n_messages == 70_001 and peek.stream and peek.model == "m"
     assert peek.fingerprint == fingerprint(messages, KEY)
     assert peek.prompt_bytes == sum(len(m["role"]) + len(m["content"].encode()) for m in messages)
 
