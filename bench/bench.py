@@ -693,9 +693,9 @@ def decision_config(db: Path) -> Config:
                          "routes": {"bench": {"default_model": MODEL}}})
 
 
-async def prefill_leases(router: Router, cfg: Config, count: int) -> None:
+async def prefill_leases(router: Router, cfg: Config, count: int, first: int = 0) -> None:
     route = cfg.routes["bench"]
-    for i in range(count):
+    for i in range(first, first + count):
         fp = hashlib.sha256(b"conversation %d" % i).hexdigest()
         ex = Exchange(route=route, key=Key(route.name, fp, MODEL), path=CHAT, completion=True)
         await maybe_await(router.lease(ex))
@@ -788,7 +788,7 @@ def keep_alive(addon: Crossbar, router: Router, flow: http.HTTPFlow) -> None:
     as mitmproxy's `server_connected` hook would on a kept-alive connection: the request then
     needs no pre-flight (a new upstream connection's TCP check is not part of the decision)."""
     addresses = {(h.host, h.port) for h in router.cfg.hosts.values()}
-    addon._upstreams[flow.client_conn.id] = addresses
+    addon._upstreams[flow.client_conn] = addresses
 
 
 async def decision_size(addon: Crossbar, router: Router, size: int, n: int) -> dict[str, Any]:
@@ -858,7 +858,8 @@ ADMIN_REPEATS = 7
 
 async def admin_view_cost(router: Router, leases: int) -> dict[str, Any]:
     """What the dashboard's lease views cost the event loop at `leases` leases (median ms)."""
-    await prefill_leases(router, router.cfg, leases - router.leases.count())
+    have = router.leases.count()
+    await prefill_leases(router, router.cfg, leases - have, first=have)
     admin = Admin(router)
     out: dict[str, Any] = {"leases": router.leases.count()}
     for name, view in (("snapshot_ms", router.leases.snapshot), ("routes_ms", admin.routes)):

@@ -420,6 +420,8 @@ class Crossbar:
             del self._current[flow.client_conn]
 
     async def response(self, flow: http.HTTPFlow) -> None:
+        if _holds_large_body(flow):
+            self.reclaimer.soon()
         ex: Exchange | None = flow.metadata.get(META)
         if ex is None or self.router is None:
             return
@@ -493,8 +495,8 @@ class Crossbar:
             ex.tap = tap
 
     def error(self, flow: http.HTTPFlow) -> None:
-        if flow.request.timestamp_end is None:  # the client gave up on its request body half-way
-            self.reclaimer.abandoned()
+        if _holds_large_body(flow):
+            self.reclaimer.soon()
         ex: Exchange | None = flow.metadata.get(META)
         if ex is None or self.router is None:
             return
@@ -545,6 +547,16 @@ def _content(response: http.Response) -> bytes | None:
         return response.content
     except ValueError:  # undecodable Content-Encoding
         return None
+
+
+def _holds_large_body(flow: http.HTTPFlow) -> bool:
+    """A request body left unfinished, or a large request or answer body (not a stream)."""
+    if flow.request.timestamp_end is None:
+        return True
+    large = req.OFF_LOOP_BYTES
+    response = flow.response
+    return (len(flow.request.raw_content or b"") >= large
+            or (response is not None and len(response.raw_content or b"") >= large))
 
 
 def _is_connect_failure(msg: str) -> bool:

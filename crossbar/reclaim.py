@@ -1,9 +1,10 @@
-"""Memory held by abandoned request bodies goes back soon, without a long collector pause.
+"""Memory held by large or abandoned bodies goes back soon, without a long collector pause.
 
-A request body the client gave up on half-way is referenced from mitmproxy's connection objects,
-which form reference cycles: it stays in memory until the cyclic garbage collector examines its
-oldest generation, which may not happen for a long time. So a body left unfinished schedules one
-full collection shortly after (at most one per `min_interval`). To keep that collection short,
+A body (a request the client gave up on half-way, or a large request or answer that is done) is
+referenced from mitmproxy's flow and connection objects, which form reference cycles: it stays in
+memory until the cyclic garbage collector examines its oldest generation, which may not happen
+for a long time. So such a body schedules one full collection shortly after (at most one per
+`min_interval`). To keep that collection short,
 everything alive once crossbar has started (modules, configuration, mitmproxy's addons) is moved
 out of the collector's view with `gc.freeze()`: a full collection then walks only what was
 created since.
@@ -40,9 +41,10 @@ class Reclaimer:
         self._last = -min_interval
         self.collections = 0
 
-    def abandoned(self) -> None:
-        """A request body was left unfinished: collect `delay` seconds from now (or, right after
-        a collection, once `min_interval` has passed). Calls while one is pending are folded in."""
+    def soon(self) -> None:
+        """A large or unfinished body was let go: collect `delay` seconds from now (or, right
+        after a collection, once `min_interval` has passed). Calls while one is pending are
+        folded in."""
         if self._pending is not None:
             return
         wait = max(self.delay, self._last + self.min_interval - self._clock())

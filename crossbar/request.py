@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -60,6 +61,7 @@ TOKEN_ID_BYTES = int(DEFAULT_BYTES_PER_TOKEN)  # a literal token id counts as th
 # loop with one json.loads (about 1 ms per MiB), which is quicker than the thread's hand-over.
 OFF_LOOP_BYTES = 2 * 1024 * 1024
 _DECODE_PIECE = 1 << 20  # UTF-8 is decoded a piece at a time: each C call stays short
+_PACE_ITEMS = 256  # array elements parsed between two offers of the interpreter to other threads
 SYSTEM_ROLES = frozenset({"system", "developer"})
 _SHOW_MAX = 130  # longest untrusted text quoted in an error message
 
@@ -273,13 +275,22 @@ _WS = re.compile(r"[ \t\n\r]*")
 _COMMA = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
 
 
+def _let_others_run() -> None:
+    """Release the interpreter lock for a moment: the event loop thread, if it waits for it, runs
+    now rather than when the interpreter's switch interval forces a hand-over."""
+    time.sleep(0)
+
+
 def _decode_utf8(raw: bytes) -> str:
     """`raw.decode("utf-8")`, a piece at a time for a large body (every piece is one short C call)."""
     if len(raw) <= _DECODE_PIECE:
         return raw.decode("utf-8")
     decoder = codecs.getincrementaldecoder("utf-8")()
     view = memoryview(raw)
-    pieces = [decoder.decode(view[at:at + _DECODE_PIECE]) for at in range(0, len(raw), _DECODE_PIECE)]
+    pieces = []
+    for at in range(0, len(raw), _DECODE_PIECE):
+        pieces.append(decoder.decode(view[at:at + _DECODE_PIECE]))
+        _let_others_run()
     pieces.append(decoder.decode(b"", final=True))
     return "".join(pieces)
 
@@ -305,9 +316,13 @@ def _scan_array(text: str, at: int, sink: Sink | None = None) -> tuple[Any, int]
     at = _WS.match(text, at + 1).end()
     if not text.startswith("]", at):
         try:
+            count = 0
             while True:
                 item, at = scan(text, at)
                 add(item)
+                count += 1
+                if count % _PACE_ITEMS == 0:
+                    _let_others_run()
                 separator = comma(text, at)
                 if separator is None:
                     break

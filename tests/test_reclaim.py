@@ -23,11 +23,11 @@ async def test_abandoned_bodies_fold_into_one_collection() -> None:
     reclaimer = Reclaimer(delay=0.01, min_interval=5.0, collect=lambda: runs.append(clock.now),
                           clock=clock)
     for _ in range(8):
-        reclaimer.abandoned()
+        reclaimer.soon()
     await asyncio.sleep(0.05)
     assert runs == [100.0]
     clock.now = 101.0  # within min_interval of the last collection: wait for the rest of it
-    reclaimer.abandoned()
+    reclaimer.soon()
     pending = reclaimer._pending
     assert pending is not None and pending.when() - asyncio.get_running_loop().time() > 3
     reclaimer.cancel()
