@@ -1,14 +1,20 @@
 """crossbar benchmark: overhead, decision cost and cache affinity, side by side in one run.
 
-    .venv/bin/python bench/bench.py [--quick] [--real] [--only overhead|decision|affinity] [--out FILE.json]
+    .venv/bin/python bench/bench.py [--quick] [--real] [--only overhead|decision|affinity|pressure]
+                                    [--out FILE.json]
 
 1. overhead  - TTFB and per-SSE-event delay: direct to a simulated llama-server, through a bare
                `mitmdump` reverse proxy, and through crossbar (all three are subprocesses), at
-               4 KiB, 256 KiB and 1 MiB chat bodies, requests interleaved round-robin.
+               4 KiB, 256 KiB and 1 MiB chat bodies, requests interleaved round-robin. Bare
+               mitmdump streams responses and gets the mitmproxy options crossbar sets for itself.
 2. decision  - crossbar's request-path work (route, body peek, lease, slot, upstream rewrite)
-               in-process at 1,000 live leases and 3 hosts, beside bare mitmdump's own cost.
+               in-process at 1,000 live leases and 3 hosts, beside bare mitmdump's own cost; the
+               lease views of the admin API at 20,000 leases.
 3. affinity  - 12 conversations x 20 growing turns on 3 simulated hosts: share of prompt tokens
                served from cache through crossbar, round-robin, and ideal.
+4. pressure  - requests per second (16 keep-alive clients), a neighbour stream's largest gap while
+               one client sends a max_body chat of small messages and another receives a 20 MiB
+               answer, and RSS after eight aborted max_body uploads; crossbar beside bare mitmdump.
 
 `--real` runs overhead and affinity against real llama.cpp `llama-server` processes (the tiny
 random-weight models of ../shared/llama-lab, found in $CROSSBAR_LLAMA_LAB, default
