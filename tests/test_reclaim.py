@@ -47,3 +47,17 @@ async def test_an_upload_cut_short_schedules_a_collection(tmp_path: Path) -> Non
         writer.transport.abort()
         await wait_until(lambda: proxy.addon.reclaimer.collections == 1, what="a collection")
         assert up.received == []
+
+
+async def test_a_large_answer_schedules_a_collection(tmp_path: Path) -> None:
+    answer = json.dumps({"choices": [], "data": "x" * (3 << 20)}).encode()
+    async with (recording_upstream(answer, [b""]) as up,
+                crossbar_proxy(single_host_config(tmp_path / "c.toml", up.url)) as proxy):
+        proxy.addon.reclaimer.delay = 0.01
+        body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"POST /r/v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert len(await reader.read()) > len(answer)
+        writer.close()
+        await wait_until(lambda: proxy.addon.reclaimer.collections == 1, what="a collection")
