@@ -16,8 +16,8 @@ never block and never raise. Not thread-safe: use from one event loop.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import operator
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -263,7 +263,7 @@ class LeaseTable:
         for lease in leases:
             if limit is not None and len(out) >= limit:
                 break
-            out.append(dataclasses.replace(lease))
+            out.append(_copy(lease))
         return out
 
     def count(self, route: str | None = None) -> int:
@@ -363,6 +363,13 @@ class LeaseTable:
             listener(event)
 
 
+_ORDER = operator.attrgetter("key.route", "key.fp", "key.model")
+
+
+def _copy(lease: Lease) -> Lease:
+    # built directly: dataclasses.replace() costs several times more per lease
+    return Lease(lease.key, lease.host, lease.state, lease.created, lease.last_used)
+
+
 def _sorted_copies(leases: Iterable[Lease]) -> list[Lease]:
-    ordered = sorted(leases, key=lambda lease: (lease.key.route, lease.key.fp, lease.key.model))
-    return [dataclasses.replace(lease) for lease in ordered]
+    return [_copy(lease) for lease in sorted(leases, key=_ORDER)]

@@ -20,6 +20,10 @@ from typing import Any
 MAX_LINE = 1024 * 1024  # longer SSE lines are forwarded but not scanned
 MAX_TOKENS = 1 << 30  # no context or answer comes near this; larger figures are not believed
 MAX_MILLIS = 30 * 86400 * 1000.0
+WHOLE_BODY_MAX = 256 * 1024  # a larger non-streamed reply is not parsed whole
+EDGE_BYTES = 64 * 1024  # ... but read for usage at its start and its end
+MEMBER_MAX = 16 * 1024  # a `usage` or `timings` object is far shorter
+_DECODER = json.JSONDecoder()
 
 _DATA = b"data:"
 _DONE = b"[DONE]"
@@ -128,14 +132,54 @@ def merge(a: Usage | None, b: Usage | None) -> Usage | None:
 
 
 def usage_from_body(body: bytes | None) -> Usage | None:
-    """Figures from a non-streamed JSON reply; None when there are none or it does not parse."""
+    """Figures from a non-streamed JSON reply; None when there are none or it does not parse.
+
+    A reply over WHOLE_BODY_MAX is not parsed whole (that would hold up every other stream): its
+    `usage` and `timings` objects are read from its first and last EDGE_BYTES only.
+    """
     if not body:
         return None
+    if len(body) > WHOLE_BODY_MAX:
+        return _usage_from_edges(body)
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
     return usage_from_object(obj) if isinstance(obj, dict) else None
+
+
+def _usage_from_edges(body: bytes) -> Usage | None:
+    """llama-server writes `usage` and `timings` after the choices of a completion and `usage`
+    before the vectors of an embeddings reply: each is looked for near the end, then the start."""
+    found: dict[str, Any] = {}
+    for name in ("usage", "timings"):
+        value = _member_near_edges(body, b'"%s"' % name.encode())
+        if value is not None:
+            found[name] = value
+    return usage_from_object(found) if found else None
+
+
+def _member_near_edges(body: bytes, key: bytes) -> dict[str, Any] | None:
+    tail = max(len(body) - EDGE_BYTES, EDGE_BYTES)
+    for at in (body.rfind(key, tail), body.find(key, 0, EDGE_BYTES)):
+        # a key (not text inside a string: a quote there is escaped); its value must be an object
+        if at > 0 and body[at - 1] != 0x5C:
+            value = _object_at(body, at + len(key))
+            if value is not None:
+                return value
+    return None
+
+
+def _object_at(body: bytes, at: int) -> dict[str, Any] | None:
+    """The JSON object after the `:` that follows body[at], when it ends within MEMBER_MAX bytes."""
+    rest = body[at:at + MEMBER_MAX].decode("utf-8", "replace").lstrip()
+    if not rest.startswith(":"):
+        return None
+    try:
+        value, _ = _DECODER.raw_decode(rest[1:].lstrip())
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class SSETap:

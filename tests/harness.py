@@ -323,6 +323,7 @@ class RecordingUpstream:
     chunks: Sequence[bytes]
     extra_headers: Mapping[str, str] = field(default_factory=dict)
     received: list[bytes] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)  # path and query of every request, polls included
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
 
@@ -334,6 +335,7 @@ class RecordingUpstream:
         from aiohttp import web
 
         json_type = {"Content-Type": "application/json"}
+        self.targets.append(request.path_qs)
         if request.method == "GET":
             bodies = {"/health": b'{"status":"ok"}', "/v1/models": b'{"data":[{"id":"m"}]}',
                       "/props": b'{"total_slots":4,"default_generation_settings":{"n_ctx":4096}}'}

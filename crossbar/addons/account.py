@@ -13,6 +13,7 @@ import json
 
 from mitmproxy import http
 
+from crossbar import request as req
 from crossbar.addons.runtime import LOCAL, Runtime, exchange_of
 from crossbar.exchange import Exchange
 from crossbar.tap import SSETap, usage_from_body
@@ -35,6 +36,8 @@ class Account:
             flow.metadata[TAIL] = flow.response.stream = BodyTail()
 
     def response(self, flow: http.HTTPFlow) -> None:
+        if _holds_large_body(flow):
+            self.rt.reclaimer.soon()
         ex, router = exchange_of(flow), self.rt.router
         if ex is None or router is None:
             return
@@ -58,6 +61,8 @@ class Account:
             ex.err = f"upstream answered {ex.status}"
 
     def error(self, flow: http.HTTPFlow) -> None:
+        if _holds_large_body(flow):
+            self.rt.reclaimer.soon()
         ex, router = exchange_of(flow), self.rt.router
         if ex is None or router is None:
             return
@@ -102,3 +107,13 @@ def _content(response: http.Response) -> bytes | None:
         return response.content
     except ValueError:  # undecodable Content-Encoding
         return None
+
+
+def _holds_large_body(flow: http.HTTPFlow) -> bool:
+    """A request body left unfinished, or a large request or answer body (not a stream)."""
+    if flow.request.timestamp_end is None:
+        return True
+    large = req.OFF_LOOP_BYTES
+    response = flow.response
+    return (len(flow.request.raw_content or b"") >= large
+            or (response is not None and len(response.raw_content or b"") >= large))

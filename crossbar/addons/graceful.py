@@ -15,6 +15,7 @@ from mitmproxy import ctx, http
 from crossbar import errors
 from crossbar.addons.runtime import Runtime
 from crossbar.decisions import Rejection
+from crossbar.reclaim import thaw
 
 log = logging.getLogger("crossbar")
 
@@ -42,6 +43,8 @@ class GracefulStop:
                 log.warning("crossbar: %d request(s) still running after drain_timeout", len(router.live))
         if rt.session:
             await rt.session.close()
+        rt.reclaimer.cancel()
+        thaw()
         await router.close()
         log.info("crossbar: stopped")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+from typing import Any
 
 import aiohttp
 from mitmproxy import ctx, exceptions
@@ -14,11 +16,14 @@ from crossbar import admin_access
 from crossbar.addons.runtime import ADMIN, MAIN, PLACEHOLDER, ROUTE, Runtime
 from crossbar.admin import Admin
 from crossbar.app import Router
-from crossbar.config import Address, ConfigError, load_config
+from crossbar.config import Address, Config, ConfigError, load_config
 from crossbar.identity import IdentityError
+from crossbar.reclaim import freeze_startup
+from crossbar.secret import SecretError, load_or_create, secret_path
 from crossbar.store import StoreError
 
 log = logging.getLogger("crossbar")
+SWITCH_INTERVAL = 0.001  # seconds a thread holds the interpreter while another waits for it
 
 
 class Listeners:
@@ -44,20 +49,20 @@ class Listeners:
             log.error("crossbar config: %s", exc)
             rt.cfg = None
             return
-        # mitmproxy's body_size_limit would cut answers too (a large embeddings reply): instead,
-        # bodies past this bound are streamed, not buffered. crossbar answers JSON 413 above
-        # max_body; a request body announced past the bound is closed (see `Route`).
-        ctx.options.update(
-            connection_strategy="lazy",
-            keep_host_header=True,  # the admin API checks the Host the client sent
-            stream_large_bodies=str(2 * rt.cfg.max_body + (1 << 20)),
-            tcp_timeout=max(600, int(rt.cfg.first_byte_timeout) + 60),
-        )
+        ctx.options.update(**mitmproxy_options(rt.cfg))
 
     async def running(self) -> None:
         rt = self.rt
         if rt.cfg is None:  # the configuration error was logged; mitmproxy exits
             return
+        try:
+            rt.fp_key = load_or_create(secret_path(rt.cfg.db))
+        except SecretError as exc:
+            log.error("crossbar: %s", exc)
+            return
+        # a worker thread peeking a large body hands the interpreter back to the event loop
+        # within 1 ms (the default is 5 ms: every other stream's next event would wait that long)
+        sys.setswitchinterval(SWITCH_INTERVAL)
         router = Router(rt.cfg)
         try:
             router.open()
@@ -72,6 +77,7 @@ class Listeners:
         rt.session = aiohttp.ClientSession()
         router.start_background()
         await self._listen()
+        freeze_startup()
 
     async def _start_identity(self) -> bool:
         cfg = self.rt.cfg
@@ -109,6 +115,16 @@ class Listeners:
             return
         log.info("crossbar: serving on %s", ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
                                                       for h, p, *_ in ps.listen_addrs()))
+
+
+def mitmproxy_options(cfg: Config) -> dict[str, Any]:
+    """The mitmproxy options crossbar sets for itself (the benchmark gives bare mitmdump the same).
+    mitmproxy's body_size_limit would cut answers too (a large embeddings reply): instead, bodies
+    past `stream_large_bodies` are streamed, not buffered; crossbar answers JSON 413 above max_body."""
+    return {"connection_strategy": "lazy",
+            "keep_host_header": True,  # the admin API checks the Host the client sent
+            "stream_large_bodies": str(2 * cfg.max_body + (1 << 20)),
+            "tcp_timeout": max(600, int(cfg.first_byte_timeout) + 60)}
 
 
 def listen_spec(address: Address) -> str:

@@ -68,10 +68,11 @@ class Route:
         route = resolved.route
         await self._admit(flow, route)
         if control:
-            model = r.query.get("model") or route.default_model
+            model = resolved.model or route.default_model
             return Exchange(route=route, key=Key(route.name, "", model), path=resolved.upstream_path,
                             completion=False)
-        peek = req.peek_body(r.raw_content, resolved.path, route.default_model, cfg.max_body)
+        peek = await req.peek_body_off_loop(r.raw_content, resolved.path, route.default_model, cfg.max_body,
+                                            self.rt.fp_key)
         fp = session.conversation_fp(route, r.headers.get_all, peek.fingerprint)
         return Exchange(
             route=route, key=Key(route.name, fp, peek.model), path=resolved.upstream_path,

@@ -22,6 +22,7 @@ from crossbar.decisions import Rejection
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
 from crossbar.identity import HeaderPeer, IdentityError, Tailscale
+from crossbar.reclaim import Reclaimer
 
 META = "crossbar"  # flow.metadata key of the flow's Exchange
 LOCAL = "crossbar.local"  # flow.metadata key: crossbar answered this flow itself
@@ -40,6 +41,8 @@ class Runtime:
         self.session: aiohttp.ClientSession | None = None  # crossbar's own upstream requests (retries)
         self.tailscale = Tailscale()
         self.admin_policy = admin_access.AdminPolicy(frozenset())
+        self.fp_key = b""  # the install's secret that keys fingerprints, read at start
+        self.reclaimer = Reclaimer()
         self.listen_specs: list[str] = []
         self.roles: dict[str, tuple[str, str]] = {}  # listener spec → (role, route name)
         self.stopping = False
