@@ -173,7 +173,9 @@ async def test_without_the_headers_the_body_fingerprint_is_the_key(tmp_path: Pat
         rows = await request_rows(proxy)
         routes = await get_json(proxy, "/_crossbar/routes")
         events = await get_json(proxy, "/_crossbar/events?limit=10")
-    main_fp, title_fp = fingerprint(MAIN["body"]["messages"]), fingerprint(TITLE["body"]["messages"])
+        key = proxy.addon.fp_key
+    main_fp = fingerprint(MAIN["body"]["messages"], key)
+    title_fp = fingerprint(TITLE["body"]["messages"], key)
     assert [(r.fp, r.decision) for r in rows] == [
         (session_fp(SESSION), "new"), (main_fp, "new"), (main_fp, "reused"), (title_fp, "new")]
     assert sorted(lease["key"] for lease in routes[ROUTE]["leases"]) == [
@@ -197,7 +199,8 @@ async def test_a_route_can_name_other_session_headers_or_none(tmp_path: Path) ->
                                        f"/{route}/v1/chat/completions")
                 assert status == 200
             rows = await request_rows(proxy)
-    main_fp = fingerprint(MAIN["body"]["messages"])
+            key = proxy.addon.fp_key
+    main_fp = fingerprint(MAIN["body"]["messages"], key)
     assert [(r.route, r.fp) for r in rows] == [
         ("own", main_fp), ("own", session_fp("ses_x")), ("off", main_fp), ("off", main_fp)]
 
