@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
-import gc
 import json
 import logging
 import time
@@ -47,7 +44,6 @@ MAX_CHUNK_LINE = 4096  # a chunk-size line (with extensions) or one trailer line
 DEADLINE_CHECK = 1.0  # seconds between looks at a deadline set while a read was waiting
 LINGER_SECONDS = 2.0
 TRIM_AFTER = 1024 * 1024  # an unfinished upload larger than this returns its memory to the system
-TRIM_DELAY = 0.5  # after refusing, read (and drop) what the client still sends, so it sees the answer
 HEAD, LENGTH, CHUNKED, PASS = "head", "length", "chunked", "pass"
 
 
@@ -387,14 +383,6 @@ class UpstreamReader:
         return b""
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None on a C library without it."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 def _transport(client: Client, conn: Connection) -> Any:
     """mitmproxy's I/O record (reader, writer) of one connection of a client's handler; None once gone."""
     handler = ctx.master.addons.get("proxyserver").connections.get(client.id)
@@ -414,12 +402,11 @@ class Limits:
     """mitmproxy addon: installs the readers above on every connection and caps connections per
     peer, once crossbar runs (`router()` returns its Router, else None)."""
 
-    def __init__(self, router: Callable[[], Router | None]):
+    def __init__(self, router: Callable[[], Router | None], reclaim: Callable[[], None]):
         self.router = router
+        self.reclaim = reclaim  # an unfinished upload's memory goes back soon (`crossbar.reclaim`)
         self.per_peer: Counter[str] = Counter()
         self._counted: set[str] = set()  # ids of the client connections counted in per_peer
-        self._trim = _malloc_trim()
-        self._trim_pending = False
         self._clients: WeakKeyDictionary[Client, ClientReader] = WeakKeyDictionary()
         self._upstreams: WeakKeyDictionary[Connection, UpstreamReader] = WeakKeyDictionary()
 
@@ -480,22 +467,7 @@ class Limits:
             del self.per_peer[peer]
         reader = self._clients.pop(client, None)
         if reader is not None and reader.framer.state in (LENGTH, CHUNKED) and reader.body_bytes > TRIM_AFTER:
-            self._trim_soon()
-
-    def _trim_soon(self) -> None:
-        """An upload ended unfinished: once the connection's handler has ended, collect the
-        cycles holding its buffer and hand the freed heap back to the system (glibc keeps it)."""
-        if self._trim_pending:
-            return
-        self._trim_pending = True
-
-        def trim() -> None:
-            self._trim_pending = False
-            gc.collect()  # the buffer sits in mitmproxy's layer objects, which form reference cycles
-            if self._trim is not None:
-                self._trim(0)
-
-        asyncio.get_running_loop().call_later(TRIM_DELAY, trim)
+            self.reclaim()
 
     def _refused(self, refusal: Refusal) -> None:
         self.count(refusal.reason)

@@ -13,6 +13,8 @@ created since.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import time
 from collections.abc import Callable
@@ -29,9 +31,27 @@ def thaw() -> None:
     gc.unfreeze()
 
 
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None on a C library without it."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def collect_and_trim() -> None:
+    """A full collection, then the freed heap handed back to the system (glibc keeps it)."""
+    gc.collect()
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 class Reclaimer:
     def __init__(self, delay: float = 0.5, min_interval: float = 2.0,
-                 collect: Callable[[], object] = gc.collect,
+                 collect: Callable[[], object] = collect_and_trim,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.delay = delay
         self.min_interval = min_interval

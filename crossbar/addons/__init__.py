@@ -35,6 +35,6 @@ __all__ = ["Runtime", "make_addons"]
 def make_addons(rt: Runtime | None = None) -> list[Any]:
     """The addons around one shared `Runtime` (pass one to inspect it, as the tests do)."""
     rt = rt or Runtime()
-    return [Limits(lambda: rt.router), Listeners(rt), Clients(rt), AdminApi(rt), GracefulStop(rt),
-            Route(rt), Failover(rt), Account(rt),
+    return [Limits(lambda: rt.router, lambda: rt.reclaimer.soon()), Listeners(rt), Clients(rt),
+            AdminApi(rt), GracefulStop(rt), Route(rt), Failover(rt), Account(rt),
             FlowCap(lambda: rt.cfg.mitmweb_keep_flows if rt.cfg else 500)]
