@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from mitmproxy import http
 
@@ -36,13 +37,21 @@ class Account:
             flow.metadata[TAIL] = flow.response.stream = BodyTail()
 
     def response(self, flow: http.HTTPFlow) -> None:
+        self._end(flow, self._read_answer)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._end(flow, self._read_error)
+
+    def _end(self, flow: http.HTTPFlow, read: Callable[[http.HTTPFlow, Exchange], None]) -> None:
+        """What the flow's ending says goes into its exchange, then the exchange ends, whatever
+        reading raised."""
         if _holds_large_body(flow):
             self.rt.reclaimer.soon()
         ex, router = exchange_of(flow), self.rt.router
         if ex is None or router is None:
             return
         try:
-            self._read_answer(flow, ex)
+            read(flow, ex)
         finally:
             self.rt.done_with(flow)
             router.finish(ex)
@@ -60,22 +69,14 @@ class Account:
         if ex.status >= 400 and not ex.err:
             ex.err = f"upstream answered {ex.status}"
 
-    def error(self, flow: http.HTTPFlow) -> None:
-        if _holds_large_body(flow):
-            self.rt.reclaimer.soon()
-        ex, router = exchange_of(flow), self.rt.router
-        if ex is None or router is None:
-            return
-        try:
-            ex.cancel_deadline()
-            ex.err = ex.err or (flow.error.msg if flow.error else "error")
-            if ex.tap is not None:
-                ex.usage = ex.tap.usage
-            if flow.response is not None and ex.status is None:
-                ex.status = flow.response.status_code
-        finally:
-            self.rt.done_with(flow)
-            router.finish(ex)
+    @staticmethod
+    def _read_error(flow: http.HTTPFlow, ex: Exchange) -> None:
+        ex.cancel_deadline()
+        ex.err = ex.err or (flow.error.msg if flow.error else "error")
+        if ex.tap is not None:
+            ex.usage = ex.tap.usage
+        if flow.response is not None and ex.status is None:
+            ex.status = flow.response.status_code
 
 
 class BodyTail:
