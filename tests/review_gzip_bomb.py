@@ -24,7 +24,8 @@ DECODED_MIB = 1024
 def bomb() -> bytes:
     c = zlib.compressobj(9, zlib.DEFLATED, 31)
     mib = b"a" * (1 << 20)
-    parts = [c.compress(b'{"x":"')] + [c.compress(mib) for _ in range(DECODED_MIB)] + [c.compress(b'"}'), c.flush()]
+    parts = [c.compress(b'{"x":"')] + [c.compress(mib) for _ in range(DECODED_MIB)]
+    parts += [c.compress(b'"}'), c.flush()]
     return b"".join(parts)
 
 
@@ -39,7 +40,8 @@ async def gzip_upstream(payload: bytes) -> AsyncIterator[str]:
                                if h.lower().startswith(b"content-length:")), 0)
                 await reader.readexactly(length)
                 if line.startswith(b"POST"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Encoding: gzip\r\n"
                                  b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
                 else:
                     body = POLL.get(line.split(b" ")[1].split(b"?")[0], b"{}")

@@ -21,7 +21,8 @@ async def test_an_embeddings_call_does_not_stack_every_new_session_on_one_host(t
     for sim in sims:
         await sim.start()
     try:
-        hosts = {name: (sim.url, HostSpec({"m": {"parallel": 1}})) for name, sim in zip("ab", sims, strict=True)}
+        hosts = {name: (sim.url, HostSpec({"m": {"parallel": 1}}))
+                 for name, sim in zip("ab", sims, strict=True)}
         cfg = write_config(tmp_path / "c.toml", hosts, {"r": {"default_model": "m"}}, queue_max=2)
         proxy = await asyncio.to_thread(start_mitmdump, cfg, ["--set", "server=false"])
         try:

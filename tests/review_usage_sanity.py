@@ -38,7 +38,8 @@ async def absurd_upstream() -> AsyncIterator[str]:
                 length = next((int(h.split(b":")[1]) for h in request_head.split(b"\r\n")
                                if h.lower().startswith(b"content-length:")), 0)
                 await reader.readexactly(length)
-                body = ABSURD if line.startswith(b"POST") else POLL.get(line.split(b" ")[1].split(b"?")[0], b"{}")
+                path = line.split(b" ")[1].split(b"?")[0]
+                body = ABSURD if line.startswith(b"POST") else POLL.get(path, b"{}")
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
                 await writer.drain()
