@@ -1,0 +1,65 @@
+"""Review: usage figure sanity. `predicted_ms` is accepted as any finite value in 0..MAX_MILLIS, so
+a host reporting `predicted_ms: 5e-324` makes tokens/s infinite, and one reply turns
+`crossbar_generation_tokens_per_second_sum{host}` into +Inf for good (no figure dropped, nothing
+counted in `crossbar_usage_figures_dropped_total`)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+
+from review_hung_host import POLL
+from test_hostile_limits import CHAT, connect, head, rig
+
+from crossbar.tap import usage_from_body
+
+ABSURD = (b'{"choices":[{"message":{"content":"x"}}],"usage":{"prompt_tokens":5,"completion_tokens":5},'
+          b'"timings":{"predicted_n":5,"predicted_ms":5e-324}}')
+
+
+def test_tokens_per_second_is_a_finite_figure_or_none() -> None:
+    usage = usage_from_body(ABSURD)
+    assert usage is not None
+    tps = usage.tokens_per_second
+    assert tps is None or (math.isfinite(tps) and tps < 1e7), tps
+
+
+@asynccontextmanager
+async def absurd_upstream() -> AsyncIterator[str]:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with suppress(Exception):
+            while True:
+                request_head = await reader.readuntil(b"\r\n\r\n")
+                line = request_head.split(b"\r\n", 1)[0]
+                length = next((int(h.split(b":")[1]) for h in request_head.split(b"\r\n")
+                               if h.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                path = line.split(b" ")[1].split(b"?")[0]
+                body = ABSURD if line.startswith(b"POST") else POLL.get(path, b"{}")
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_one_absurd_reply_does_not_make_the_tps_histogram_infinite(tmp_path: Path) -> None:
+    async with absurd_upstream() as url, rig(tmp_path, base_url=url) as r:
+        reader, writer = await connect(r.port)
+        writer.write(head(Content_Length=str(len(CHAT)), Connection="close") + CHAT)
+        assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 200")
+        writer.close()
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{r.port}/_crossbar/metrics", timeout=5).read())
+    sums = [line for line in text.decode().splitlines()
+            if line.startswith("crossbar_generation_tokens_per_second_sum")]
+    assert sums and all(math.isfinite(float(line.rsplit(" ", 1)[1])) for line in sums), sums
