@@ -41,6 +41,11 @@ class CrossbarError(Exception):
         ).encode()
 
 
+def bad_gateway(message: str) -> CrossbarError:
+    """The host failed the request before sending anything, and there was nowhere else to go."""
+    return CrossbarError(502, "bad_gateway", message, reason=Rejection.UPSTREAM_FAILED)
+
+
 def bad_request(message: str, reason: Rejection = Rejection.BAD_REQUEST) -> CrossbarError:
     """llama-server's own 400 shape (`invalid_request_error`)."""
     return CrossbarError(400, "invalid_request_error", message, reason=reason)

@@ -20,6 +20,7 @@ from typing import Any
 MAX_LINE = 1024 * 1024  # longer SSE lines are forwarded but not scanned
 MAX_TOKENS = 1 << 30  # no context or answer comes near this; larger figures are not believed
 MAX_MILLIS = 30 * 86400 * 1000.0
+MAX_TOKENS_PER_SECOND = 1e6  # no engine generates this fast: a timing that implies more is not believed
 WHOLE_BODY_MAX = 256 * 1024  # a larger non-streamed reply is not parsed whole
 EDGE_BYTES = 64 * 1024  # ... but read for usage at its start and its end
 MEMBER_MAX = 16 * 1024  # a `usage` or `timings` object is far shorter
@@ -45,7 +46,8 @@ class Usage:
     def tokens_per_second(self) -> float | None:
         if self.completion_tokens is None or not self.predicted_ms:
             return None
-        return self.completion_tokens / self.predicted_ms * 1000.0
+        tps = self.completion_tokens / self.predicted_ms * 1000.0
+        return tps if tps <= MAX_TOKENS_PER_SECOND else None
 
 
 class _Figures:
@@ -105,14 +107,13 @@ def usage_from_object(obj: Mapping[str, Any]) -> Usage | None:
     if prompt is not None and cached is not None and cached > prompt:
         fig.dropped += 1  # a cached part larger than the whole prompt: not believed
         cached = None
-    return Usage(
-        prompt_tokens=prompt,
-        cached_tokens=cached,
-        completion_tokens=_first(fig.count(usage.get("completion_tokens")),
-                                 fig.count(timings.get("predicted_n"))),
-        predicted_ms=fig.millis(timings.get("predicted_ms")),
-        dropped=fig.dropped,
-    )
+    completion = _first(fig.count(usage.get("completion_tokens")), fig.count(timings.get("predicted_n")))
+    predicted_ms = fig.millis(timings.get("predicted_ms"))
+    if completion and predicted_ms is not None and completion * 1000.0 > predicted_ms * MAX_TOKENS_PER_SECOND:
+        fig.dropped += 1  # a generation time too short for its tokens: not believed
+        predicted_ms = None
+    return Usage(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
+                 predicted_ms=predicted_ms, dropped=fig.dropped)
 
 
 def merge(a: Usage | None, b: Usage | None) -> Usage | None:

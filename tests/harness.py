@@ -219,11 +219,14 @@ class MitmdumpProcess:
         return self.proc.wait(timeout=timeout)
 
 
-def start_mitmdump(config: Path, extra: Sequence[str] = (), timeout: float = 30) -> MitmdumpProcess:
+def start_mitmdump(config: Path, extra: Sequence[str] = (), timeout: float = 30,
+                   plain: bool = False) -> MitmdumpProcess:
     """`mitmdump -s addons/crossbar.py --set crossbar_config=PATH`, as run.sh runs it; waits until
     `GET /_crossbar/hosts` would answer (the "serving on" line) and returns the bound port."""
     cmd = [MITMDUMP, "-s", str(ROOT / "addons" / "crossbar.py"), "--set", f"crossbar_config={config}",
-           "--set", "server=false", "--set", "flow_detail=0", *extra]
+           "--set", "flow_detail=0", *extra]
+    if not plain and "server=false" not in extra:  # plain: the bare documented command
+        cmd += ["--set", "server=false"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
     assert proc.stdout is not None

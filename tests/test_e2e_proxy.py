@@ -417,7 +417,7 @@ async def test_plain_mitmdump_command_never_binds_8080(tmp_path: Path) -> None:
     try:
         async with sim_fleet({"a": HostSpec({"m": {}})}) as fleet:
             cfg = _config(tmp_path, fleet["a"].url)
-            proc = await asyncio.to_thread(start_mitmdump, cfg)
+            proc = await asyncio.to_thread(start_mitmdump, cfg, plain=True)
             try:
                 assert not any("8080" in line for line in proc.output), "".join(proc.output)
             finally:

@@ -19,8 +19,8 @@ from mitmproxy import http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from crossbar import errors
-from crossbar.addons.runtime import LOCAL, Runtime, close_socket, exchange_of
-from crossbar.decisions import Reason
+from crossbar.addons.runtime import LOCAL, Runtime, answer_failed, close_socket, exchange_of
+from crossbar.decisions import Reason, Rejection
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
 from crossbar.limiter import ClientGone
@@ -233,8 +233,15 @@ class Failover:
             return
         ex.cancel_deadline()
         msg = flow.error.msg if flow.error else "error"
-        if flow.response is None and ex.ttfb_ms is None and ex.forwarded and _is_connect_failure(msg):
+        if flow.response is not None or ex.ttfb_ms is not None or not ex.forwarded:
+            return
+        if _is_connect_failure(msg):
             router.passive_mark(ex.host, msg)
+        if not self.rt.gone_event(flow).is_set():
+            exc = errors.bad_gateway(ex.err or f"{ex.host}: {msg}")
+            if answer_failed(flow, exc):
+                router.rejected(Rejection.UPSTREAM_FAILED)
+                ex.status = exc.status
 
 
 def _header_bytes(text: str) -> bytes:

@@ -13,6 +13,7 @@ from weakref import WeakKeyDictionary
 import aiohttp
 from mitmproxy import ctx, http
 from mitmproxy.connection import Client, Connection
+from mitmproxy.net.http.http1 import assemble_response
 
 from crossbar import admin_access, errors
 from crossbar.admin import Admin
@@ -92,17 +93,35 @@ def exchange_of(flow: http.HTTPFlow) -> Exchange | None:
     return flow.metadata.get(META)
 
 
-def close_socket(flow: http.HTTPFlow, conn: Connection) -> bool:
-    """Close one of the flow's sockets (client or upstream) at once. mitmproxy has no public call
-    for this (`flow.kill()` does not reach a flow in transit), so it goes through the
-    proxyserver's connection handler."""
+def _writer(flow: http.HTTPFlow, conn: Connection) -> asyncio.StreamWriter | None:
+    """The socket writer of one of the flow's connections. mitmproxy has no public call for this
+    (`flow.kill()` does not reach a flow in transit), so it goes through the proxyserver's
+    connection handler."""
     ps = ctx.master.addons.get("proxyserver")
     handler = getattr(ps, "connections", {}).get(flow.client_conn.id)
     io = getattr(handler, "transports", {}).get(conn) if handler else None
-    writer = getattr(io, "writer", None)
+    return getattr(io, "writer", None)
+
+
+def close_socket(flow: http.HTTPFlow, conn: Connection) -> bool:
+    """Close one of the flow's sockets (client or upstream) at once."""
+    writer = _writer(flow, conn)
     if writer is None:
         return False
     writer.close()
+    return True
+
+
+def answer_failed(flow: http.HTTPFlow, exc: CrossbarError) -> bool:
+    """From the `error` hook of a flow whose host failed before sending anything: write crossbar's
+    JSON answer to the client and kill the flow, so mitmproxy sends no HTML page of its own after
+    it (a killed flow gets none); the connection then closes. False when the client is gone."""
+    writer = _writer(flow, flow.client_conn)
+    if writer is None or writer.is_closing() or not flow.killable:
+        return False
+    headers = {**JSON_HEADERS, **exc.headers, "Connection": "close"}
+    writer.write(assemble_response(http.Response.make(exc.status, exc.body(), headers)))
+    flow.kill()
     return True
 
 
