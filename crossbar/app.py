@@ -230,6 +230,7 @@ class Router:
         if not ex.completion:
             return
         key = self.fleet.slot_key(ex.host, ex.model)
+        waiting_since = time.monotonic()
         try:
             ticket = await self.limiter.acquire(ex.host, key, gone, hold=ex.route.queue)
         except QueueFull as exc:
@@ -241,8 +242,9 @@ class Router:
         except ClientGone:
             ex.err = "client left while queued"
             raise
+        finally:  # the wait counts however it ended (granted, client gone, host down)
+            ex.queued_ms += int((time.monotonic() - waiting_since) * 1000)
         ex.hold_slot(ticket, self.limiter.release)
-        ex.queued_ms += int(ticket.queued_s * 1000)
         self.metrics.queue_wait.labels(ex.host, self.model_label(ex.model)).observe(ticket.queued_s)
 
     async def _take_then_settle(self, ex: Exchange, placed: Placement, gone: asyncio.Event | None) -> None:

@@ -13,11 +13,13 @@ import threading
 from mitmproxy import ctx, http
 
 from crossbar import errors
-from crossbar.addons.runtime import Runtime
+from crossbar.addons.runtime import Runtime, close_socket
+from crossbar.app import Router
 from crossbar.decisions import Rejection
 from crossbar.reclaim import thaw
 
 log = logging.getLogger("crossbar")
+CUT_GRACE_S = 2.0  # how long requests cut at drain_timeout get to end through their own hooks
 
 
 class GracefulStop:
@@ -40,13 +42,29 @@ class GracefulStop:
         if router.live:
             log.info("crossbar: waiting for %d request(s) to finish", len(router.live))
             if not await router.drain(router.cfg.drain_timeout):
-                log.warning("crossbar: %d request(s) still running after drain_timeout", len(router.live))
+                log.warning("crossbar: %d request(s) still running after drain_timeout; cutting them",
+                            len(router.live))
+                await self._cut(router)
         if rt.session:
             await rt.session.close()
         rt.reclaimer.cancel()
         thaw()
         await router.close()
         log.info("crossbar: stopped")
+
+
+    async def _cut(self, router: Router) -> None:
+        """Cut what outlived `drain_timeout` the way a leaving client would (queued requests leave
+        their queue, streams lose their client), so each ends through its own hooks; whatever is
+        still live then ends here. Every one writes its row before the store closes."""
+        for gone in list(self.rt.gone.values()):
+            gone.set()
+        for flow in list(self.rt.current.values()):
+            close_socket(flow, flow.client_conn)
+        await router.drain(CUT_GRACE_S)
+        for ex in list(router.live):
+            ex.err = ex.err or "cut: crossbar stopped after drain_timeout"
+            router.finish(ex)
 
 
 def _exit_on_next_signal() -> None:

@@ -1,5 +1,4 @@
-"""Review: a request whose client leaves while it is queued is recorded with `queued_ms = 0`,
-however long it waited (the wait is only taken from a granted ticket)."""
+"""A request whose client leaves while it is queued is recorded with the time it waited."""
 
 from __future__ import annotations
 
