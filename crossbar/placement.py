@@ -160,7 +160,7 @@ def place(ask: Ask, snap: Snapshot, lease: LeaseView, now: float, lease_idle: fl
             return found
         host, loads = found
         return Placement(host, Decision.IDLE, LeaseChange(Change.RENEW, host, lease.host, Reason.IDLE), loads)
-    if ask.fp and lease.parent and fleet.open(lease.parent) and fleet.fits(lease.parent):
+    if ask.fp and lease.parent and _inheritable(fleet, lease.parent):
         return Placement(lease.parent, Decision.INHERITED, LeaseChange(Change.CREATE, lease.parent))
     found = _new_host(fleet, pick, avoid="")
     if isinstance(found, Refusal):
@@ -213,6 +213,14 @@ def _existing(fleet: _Fleet, lease: LeaseView, pick: Pick) -> Placement | Refusa
     else:
         reason, decision = Reason.UNHEALTHY, Decision.MOVED
     return Placement(host, decision, LeaseChange(Change.MOVE, host, lease.host, reason), loads)
+
+
+def _inheritable(fleet: _Fleet, parent: str) -> bool:
+    """A new conversation follows the route's key-less lease only to a host that can take it now:
+    open, the prompt fits, and a slot is free. Otherwise it is placed by load like any other, so
+    one key-less request (an embeddings call, a system-only chat) never stacks every new
+    conversation of the route on one host."""
+    return fleet.open(parent) and fleet.fits(parent) and fleet.by_name[parent].free_slots > 0
 
 
 def _new_host(fleet: _Fleet, pick: Pick, avoid: str) -> tuple[str, bool] | Refusal:

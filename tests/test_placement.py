@@ -124,6 +124,9 @@ CASES: dict[str, tuple[Case, Placement | Refusal]] = {
     "new fingerprint inherits the route lease": (
         Case(hosts=fleet(b=H(free=4)), lease=LeaseView(parent="c")),
         P("c", Decision.INHERITED, LeaseChange(Change.CREATE, "c"))),
+    "no inheritance onto a full host: placed by load": (
+        Case(hosts=fleet(b=H(free=2), c=H(free=0)), lease=LeaseView(parent="c")),
+        P("b", Decision.NEW, CREATE_B)),
     "no inheritance from a draining host": (
         Case(hosts=fleet(c=H(draining=True)), lease=LeaseView(parent="c")),
         P("a", Decision.NEW, LeaseChange(Change.CREATE, "a"))),

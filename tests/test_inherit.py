@@ -1,8 +1,6 @@
-"""Review: one request without a user message (an embeddings call, a /v1/completions prompt, a
-chat with only a system message) creates the route's key-less lease, and from then on every new
-conversation and every new session of the route "inherits" that lease's host, whatever its free
-slots: with two idle hosts of one slot each, four new sessions all queue on one host (the fourth is
-refused 503 queue_full) while the other host serves nothing."""
+"""One request without a user message (an embeddings call, a /v1/completions prompt, a chat with
+only a system message) creates the route's key-less lease; new conversations follow it only while
+its host has a free slot, so they never all stack on one host while another sits idle."""
 
 from __future__ import annotations
 
