@@ -96,12 +96,12 @@ def refusal(method: str, path: str, headers: Mapping[str, str], local_ip: str,
             caller: Collection[str] | None, policy: AdminPolicy) -> CrossbarError | None:
     """None when the admin request may proceed, else the error to answer it with.
     `caller` holds the caller's identity names (None when `admin_peers` is not set)."""
-    host = headers.get("host")
+    host = headers.get("host")  # a browser always sends one; a request without is no rebinding page
     if host is not None and not host_allowed(host_of(host), local_ip, policy):
         return _forbidden(f"the admin API does not answer to Host {host[:100]!r}; list the name in "
                           "admin_names to use it")
     if method.upper() in STATE_CHANGING:
-        problem = _cross_site(headers, local_ip, policy)
+        problem = _cross_site(headers, host, local_ip, policy)
         if problem:
             return _forbidden(problem)
         media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
@@ -117,20 +117,48 @@ def refusal(method: str, path: str, headers: Mapping[str, str], local_ip: str,
     return None
 
 
-def _cross_site(headers: Mapping[str, str], local_ip: str, policy: AdminPolicy) -> str:
+def _cross_site(headers: Mapping[str, str], host: str | None, local_ip: str, policy: AdminPolicy) -> str:
+    """Why a change comes from another site, or "". Same-origin means the Origin names this very
+    listener: the host and the port the client addressed (its Host header)."""
     site = headers.get("sec-fetch-site", "").strip().lower()
     if site and site not in SAME_SITE_FETCH:
         return f"a {site} request may not change crossbar"
     origin = headers.get("origin")
     if origin is None:
         return ""
+    authority = _origin_authority(origin)
+    if host is not None:
+        same = authority is not None and authority == _authority(host, _default_port(origin))
+    else:
+        same = authority is not None and host_allowed(authority[0], local_ip, policy)
+    return "" if same else f"a request from Origin {origin[:100]!r} may not change crossbar"
+
+
+def _default_port(origin: str) -> int:
+    return 443 if origin.strip().lower().startswith("https:") else 80
+
+
+def _authority(host_header: str, default_port: int) -> tuple[str, int] | None:
+    """(canonical host, port) of a `Host` header value."""
+    value = host_header.strip()
+    host, port = (value[1:].partition("]")[0], value.partition("]")[2]) if value.startswith("[") \
+        else (value.rpartition(":")[0], ":" + value.rpartition(":")[2]) if value.count(":") == 1 \
+        else (value, "")
+    port = port.removeprefix(":")
+    if port and not port.isdigit():
+        return None
+    return canonical_host(host), int(port) if port else default_port
+
+
+def _origin_authority(origin: str) -> tuple[str, int] | None:
     try:
-        origin_host = urlsplit(origin.strip()).hostname
+        parts = urlsplit(origin.strip())
+        port = parts.port
     except ValueError:
-        origin_host = None
-    if not origin_host or not host_allowed(canonical_host(origin_host), local_ip, policy):
-        return f"a request from Origin {origin[:100]!r} may not change crossbar"
-    return ""
+        return None
+    if not parts.hostname or parts.scheme not in ("http", "https"):
+        return None
+    return canonical_host(parts.hostname), port or _default_port(origin)
 
 
 def _token_ok(headers: Mapping[str, str], policy: AdminPolicy) -> bool:

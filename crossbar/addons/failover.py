@@ -186,8 +186,11 @@ class Failover:
             # a 500 leaves the host healthy ("Context size has been exceeded."): not "unhealthy"
             reason = Reason.UNHEALTHY if marked else Reason.RETRIED
             await router.move(ex, f"answered {status}", gone, reason=reason)
-        except (CrossbarError, ClientGone):
-            ex.err = f"upstream answered {status}; no other host to retry on"
+        except CrossbarError as exc:
+            ex.err = f"upstream answered {status}; not retried: {exc.message}"
+            return
+        except ClientGone:
+            ex.err = f"upstream answered {status}; the client left before a retry"
             return
         ex.retried = True
         conf = router.cfg.hosts[ex.host]
