@@ -52,7 +52,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 from sqlmodel import Session
 
-from crossbar import backend
+from crossbar import backend, tap
 from crossbar.backend import Database, DatabaseError, parse_db
 from crossbar.schema import (
     DAILY,
@@ -81,7 +81,7 @@ class StoreError(Exception):
 
 # Sane ranges of a request's figures: a context of a hundred million tokens or a request of a week
 # is beyond any host crossbar fronts. Within them, sums stay exact far beyond any fleet's history.
-MAX_TOKENS = 100_000_000
+MAX_TOKENS = tap.MAX_TOKENS  # the same bound the usage scanner applies
 MAX_MS = 604_800_000
 MAX_DAILY = 2**53  # one day's sum of sane figures in requests_daily stays far below this
 _INT_COLUMNS = ("queued_ms", "total_ms")  # crossbar's own clock; NOT NULL

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_LINE = 1024 * 1024  # longer SSE lines are forwarded but not scanned
-MAX_TOKENS = 1 << 30  # no context or answer comes near this; larger figures are not believed
+MAX_TOKENS = 100_000_000  # no context or answer comes near this; larger figures are not believed
 MAX_MILLIS = 30 * 86400 * 1000.0
 MAX_TOKENS_PER_SECOND = 1e6  # no engine generates this fast: a timing that implies more is not believed
 WHOLE_BODY_MAX = 256 * 1024  # a larger non-streamed reply is not parsed whole

@@ -375,7 +375,7 @@ def test_tokens_per_second(usage: Usage, expected: float | None) -> None:
         ({"usage": {"prompt_tokens": 5, "completion_tokens": 1e308}}, Usage(5, None, None, None), 1),
         ({"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 6}}}, Usage(5), 1),
         ({"timings": {"prompt_n": 1, "cache_n": -3, "predicted_ms": 1e300}}, Usage(), 2),
-        ({"usage": {"prompt_tokens": 1 << 30, "completion_tokens": 0}}, Usage(1 << 30, None, 0), 0),
+        ({"usage": {"prompt_tokens": 10**8, "completion_tokens": 0}}, Usage(10**8, None, 0), 0),
     ],
 )
 def test_figures_out_of_range_are_unknown_and_counted(obj: dict[str, Any], expected: Usage,
