@@ -60,16 +60,30 @@ run_crossbar() {  # run_crossbar CONFIG [extra mitmdump args]
   exec "$VENV/bin/mitmdump" -s "$HERE/addons/crossbar.py" --set "crossbar_config=$cfg" --set server=false "$@"
 }
 
-ensure_chromium() {  # the dashboard test drives a headless browser: Debian's chromium package
-  if command -v chromium >/dev/null 2>&1; then return 0; fi
-  local outcome="it will be skipped (CROSSBAR_BROWSER_TESTS=1 makes it fail instead)"
+install_for_tests() {  # install_for_tests PACKAGE WHAT VARIABLE: Debian's PACKAGE, which WHAT needs
+  local outcome="$2 will be skipped ($3=1 makes that a failure instead)"
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    say "installing Debian's chromium for the dashboard test"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-      || say "could not install chromium; $outcome"
+    say "installing Debian's $1 for $2"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null) \
+      || say "could not install $1; $outcome"
   else
-    say "chromium is not installed and cannot be installed here; $outcome"
+    say "$1 is not installed and cannot be installed here; $outcome"
   fi
+}
+
+ensure_chromium() {  # the dashboard test drives a headless browser
+  command -v chromium >/dev/null 2>&1 || install_for_tests chromium "the dashboard test" CROSSBAR_BROWSER_TESTS
+}
+
+has_postgresql() {  # initdb beside its server: on PATH, else Debian's versioned directory
+  local found
+  found=$(command -v initdb 2>/dev/null) && [ -x "$(dirname "$(readlink -f "$found")")/postgres" ] && return 0
+  for found in /usr/lib/postgresql/*/bin/initdb; do [ -x "$found" ] && return 0; done
+  return 1
+}
+
+ensure_postgresql() {  # the PostgreSQL tests start a throwaway cluster (tests/pg.py)
+  has_postgresql || install_for_tests postgresql "the PostgreSQL tests" CROSSBAR_PG_TESTS
 }
 
 case "${1:-}" in
@@ -77,6 +91,7 @@ case "${1:-}" in
     shift
     ensure_venv requirements-dev.txt
     ensure_chromium
+    ensure_postgresql
     "$VENV/bin/python" -m pytest "$@"
     ;;
   demo)

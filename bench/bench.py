@@ -1,14 +1,20 @@
 """crossbar benchmark: overhead, decision cost and cache affinity, side by side in one run.
 
-    .venv/bin/python bench/bench.py [--quick] [--real] [--only overhead|decision|affinity] [--out FILE.json]
+    .venv/bin/python bench/bench.py [--quick] [--real] [--only overhead|decision|affinity|pressure]
+                                    [--out FILE.json]
 
 1. overhead  - TTFB and per-SSE-event delay: direct to a simulated llama-server, through a bare
                `mitmdump` reverse proxy, and through crossbar (all three are subprocesses), at
-               4 KiB, 256 KiB and 1 MiB chat bodies, requests interleaved round-robin.
+               4 KiB, 256 KiB and 1 MiB chat bodies, requests interleaved round-robin. Bare
+               mitmdump streams responses and gets the mitmproxy options crossbar sets for itself.
 2. decision  - crossbar's request-path work (route, body peek, lease, slot, upstream rewrite)
-               in-process at 1,000 live leases and 3 hosts, beside bare mitmdump's own cost.
+               in-process at 1,000 live leases and 3 hosts, beside bare mitmdump's own cost; the
+               lease views of the admin API at 20,000 leases.
 3. affinity  - 12 conversations x 20 growing turns on 3 simulated hosts: share of prompt tokens
                served from cache through crossbar, round-robin, and ideal.
+4. pressure  - requests per second (16 keep-alive clients), a neighbour stream's largest gap while
+               one client sends a max_body chat of small messages and another receives a 20 MiB
+               answer, and RSS after eight aborted max_body uploads; crossbar beside bare mitmdump.
 
 `--real` runs overhead and affinity against real llama.cpp `llama-server` processes (the tiny
 random-weight models of ../shared/llama-lab, found in $CROSSBAR_LLAMA_LAB, default
@@ -55,9 +61,12 @@ from mitmproxy import version as mitmproxy_version
 from mitmproxy.test import tflow, tutils
 
 from crossbar import request as req
-from crossbar.addon import META, Crossbar
+from crossbar.addons import Runtime, make_addons
+from crossbar.addons.listeners import mitmproxy_options
+from crossbar.addons.runtime import META
+from crossbar.admin import Admin
 from crossbar.app import Router
-from crossbar.config import Config, parse_config
+from crossbar.config import Config, load_config, parse_config
 from crossbar.exchange import Exchange
 from crossbar.lease import Key
 from llamasim import SimConfig, SimServer
@@ -74,8 +83,8 @@ SIZES = {"4 KiB": 4 * KIB, "256 KiB": 256 * KIB, "1 MiB": 1024 * KIB}
 FILLER = ("The quick brown fox jumps over the lazy dog while the agent reads the repository, "
           "plans a change, runs the tests and explains what it found. ")
 
-TTFB_TARGET = 1.15  # crossbar's added TTFB <= 1.15 x bare mitmdump's
-EVENT_TARGET = 1.10  # crossbar's per-event delay <= 1.1 x bare mitmdump's
+TTFB_TARGET = 1.10  # crossbar's TTFB (p50 and p99) <= 1.10 x bare mitmdump's
+EVENT_ADDED_TARGET_MS = 0.05  # crossbar's per-event delay p50 - bare mitmdump's
 DECISION_TARGET = 0.15  # crossbar's decision cost <= 15 % of bare mitmdump's own per-request cost
 AFFINITY_TARGET = 0.98  # crossbar's cached share >= 0.98 x ideal
 THINK_MAX_S = 0.03  # affinity: pause before each turn, uniform in [0, THINK_MAX_S]
@@ -101,10 +110,13 @@ class Plan:
     conversations: int = 12
     turns: int = 20
     in_flight: int = 5
+    rps_windows: int = 4  # per proxy, interleaved
+    rps_window_s: float = 2.0
+    stall_rounds: int = 5  # per proxy, interleaved; each a quiet and a loaded neighbour stream
 
 
 QUICK = Plan(overhead_n=15, overhead_warmup=2, decision_n={"4 KiB": 300, "1 MiB": 30},
-             conversations=6, turns=8, in_flight=3)
+             conversations=6, turns=8, in_flight=3, rps_windows=2, rps_window_s=1.0, stall_rounds=2)
 REAL = Plan(max_tokens=16, token_ms=math.nan)  # token_ms: the real server's own pace, not set
 REAL_QUICK = Plan(overhead_n=15, overhead_warmup=2, max_tokens=16, token_ms=math.nan,
                   decision_n={"4 KiB": 300, "1 MiB": 30}, conversations=6, turns=8, in_flight=3)
@@ -269,10 +281,11 @@ async def running(name: str, cmd: Sequence[str], logdir: Path, port: int, ready_
         await stop(proc)
 
 
-def sim_cmd(port: int, token_ms: float, max_tokens: int) -> list[str]:
+def sim_cmd(port: int, token_ms: float, max_tokens: int, slots: int = 2) -> list[str]:
     """The stamped simulated llama-server (slot cache only: no host-RAM cache work per request)."""
     return [PYTHON, str(ROOT / "bench" / "stamped_sim.py"), "--host", LOOPBACK, "--port", str(port),
-            "--model", MODEL, "--slots", "2", "--ctx", str(8 * 1024 * 1024), "--token-ms", str(token_ms),
+            "--model", MODEL, "--slots", str(slots), "--ctx", str(8 * 1024 * 1024),
+            "--token-ms", str(token_ms),
             "--prompt-ms", "0", "--cache-ram-tokens", "0", "--max-tokens", str(max_tokens)]
 
 
@@ -291,25 +304,23 @@ async def llama_props(lab: Lab, port: int) -> dict[str, Any]:
     return props
 
 
-def bare_mitmdump_cmd(port: int, upstream: int) -> list[str]:
-    return [MITMDUMP, "--mode", f"reverse:http://{LOOPBACK}:{upstream}@{LOOPBACK}:{port}",
-            "--set", "connection_strategy=lazy", "--set", "flow_detail=0",
-            "--set", "termlog_verbosity=warn", "--set", "stream_large_bodies=1"]
+LOG_OPTIONS = ("--set", "flow_detail=0", "--set", "termlog_verbosity=warn")  # both proxies log alike
 
 
-def buffered_mitmdump_cmd(port: int, upstream: int) -> list[str]:
-    """Bare mitmdump that reads each request body whole before forwarding (as crossbar must) and
-    streams responses: the like-for-like baseline. `stream_large_bodies` would also stream the
-    request body upstream while it arrives, which no body-aware router can do."""
-    return [MITMDUMP, "--mode", f"reverse:http://{LOOPBACK}:{upstream}@{LOOPBACK}:{port}",
-            "-s", str(ROOT / "bench" / "stream_responses.py"),
-            "--set", "connection_strategy=lazy", "--set", "flow_detail=0",
-            "--set", "termlog_verbosity=warn"]
+def bare_mitmdump_cmd(listeners: dict[int, int], crossbar_config: Path) -> list[str]:
+    """Bare mitmdump, one reverse listener per {port: upstream port}, with an addon that only
+    streams responses (it reads each request body whole before forwarding, as crossbar must)
+    and the mitmproxy options crossbar sets for itself under `crossbar_config`."""
+    modes = [arg for port, upstream in listeners.items()
+             for arg in ("--mode", f"reverse:http://{LOOPBACK}:{upstream}@{LOOPBACK}:{port}")]
+    options = mitmproxy_options(load_config(crossbar_config))
+    return [MITMDUMP, *modes, "-s", str(ROOT / "bench" / "stream_responses.py"), *LOG_OPTIONS,
+            *(arg for name, value in options.items() for arg in ("--set", f"{name}={value}"))]
 
 
 def crossbar_cmd(config: Path) -> list[str]:
     return [MITMDUMP, "-s", str(ROOT / "addons" / "crossbar.py"), "--set", f"crossbar_config={config}",
-            "--set", "server=false", "--set", "flow_detail=0", "--set", "termlog_verbosity=warn"]
+            "--set", "server=false", *LOG_OPTIONS]
 
 
 def toml_str(value: str) -> str:
@@ -317,13 +328,24 @@ def toml_str(value: str) -> str:
 
 
 def write_crossbar_toml(path: Path, port: int, db: Path, hosts: dict[str, int], route: str,
-                        poll_interval: str, parallel: int) -> Path:
+                        poll_interval: str, parallel: int,
+                        own_routes: dict[str, tuple[str, int]] | None = None) -> Path:
+    """Route `route` over `hosts`; `own_routes` adds {route: (host, parallel)} routes of one host
+    each (that host is left out of `route`)."""
+    own_routes = own_routes or {}
+    own_hosts = {host for host, _ in own_routes.values()}
+    host_parallel = {host: n for host, n in own_routes.values()}
     lines = [f"listen = {toml_str(f'{LOOPBACK}:{port}')}", f"db = {toml_str(str(db))}",
              f"poll_interval = {toml_str(poll_interval)}", 'poll_timeout = "2s"', ""]
     for name, host_port in hosts.items():
         lines += [f"[hosts.{name}]", f"base_url = {toml_str(f'http://{LOOPBACK}:{host_port}')}",
-                  f"models = {{ {toml_str(MODEL)} = {{ parallel = {parallel} }} }}", ""]
-    lines += [f"[routes.{route}]", f"default_model = {toml_str(MODEL)}", ""]
+                  f"models = {{ {toml_str(MODEL)} = {{ parallel = {host_parallel.get(name, parallel)} }} }}",
+                  ""]
+    shared = [name for name in hosts if name not in own_hosts]
+    lines += [f"[routes.{route}]", f"default_model = {toml_str(MODEL)}", f"hosts = {json.dumps(shared)}", ""]
+    for name, (host, _) in own_routes.items():
+        lines += [f"[routes.{name}]", f"default_model = {toml_str(MODEL)}", f"hosts = {json.dumps([host])}",
+                  ""]
     path.write_text("\n".join(lines))
     return path
 
@@ -487,6 +509,8 @@ class Cell:
     delay_ms: list[float] = field(default_factory=list)  # arrival - the sim's stamp, every event
     gap_dev_ms: list[float] = field(default_factory=list)  # |inter-event gap - token_ms|
     span_ms: list[float] = field(default_factory=list)  # first event -> last event (`[DONE]`)
+    batched: int = 0  # token events read together with the one before (token_ms apart at the source)
+    tokens: int = 0
     errors: int = 0
 
     def add(self, got: Streamed, token_ms: float) -> None:
@@ -500,6 +524,8 @@ class Cell:
         # the first token renders two events back to back; gaps between tokens start after it
         tokens = arrivals[1:-1]
         self.gap_dev_ms += [abs((b - a) / 1e6 - token_ms) for a, b in itertools.pairwise(tokens)]
+        self.tokens += len(tokens)
+        self.batched += sum(1 for a, b in itertools.pairwise(tokens) if a == b)
 
     def summary(self) -> dict[str, Any]:
         return {"n": len(self.ttfb_ms), "errors": self.errors,
@@ -507,7 +533,8 @@ class Cell:
                 "event_delay_p50_ms": pct(self.delay_ms, 50), "event_delay_p99_ms": pct(self.delay_ms, 99),
                 "events": len(self.delay_ms),
                 "gap_dev_p50_ms": pct(self.gap_dev_ms, 50), "gap_dev_p99_ms": pct(self.gap_dev_ms, 99),
-                "span_p50_ms": pct(self.span_ms, 50), "span_p99_ms": pct(self.span_ms, 99)}
+                "span_p50_ms": pct(self.span_ms, 50), "span_p99_ms": pct(self.span_ms, 99),
+                "token_events": self.tokens, "batched_events": self.batched}
 
 
 def chat_body_template(size: int, max_tokens: int, stream: bool = True) -> Callable[[int], bytes]:
@@ -565,25 +592,26 @@ def overhead_rows(size_name: str, cells: dict[str, Cell], real: bool,
         rows.append([size_name, name, fmt(v["ttfb_p50_ms"]), fmt(v["ttfb_p99_ms"]),
                      added("added_ttfb_p50_ms"), added("added_ttfb_p99_ms"), *per_event,
                      str(v["n"]) + (f" ({v['errors']} err)" if v["errors"] else "")])
-    x = s["crossbar"]
-    for key, base in (("ratios", s["mitmdump"]), ("ratios_buffered", s["mitmdump-buffered"])):
-        out[key] = {
-            "added_ttfb_p50": ratio(x["added_ttfb_p50_ms"], base["added_ttfb_p50_ms"]),
-            "added_ttfb_p99": ratio(x["added_ttfb_p99_ms"], base["added_ttfb_p99_ms"]),
-            "event_delay_p50": ratio(x["event_delay_p50_ms"], base["event_delay_p50_ms"]),
-            "event_delay_p99": ratio(x["event_delay_p99_ms"], base["event_delay_p99_ms"]),
-        }
+    x, base = s["crossbar"], s["mitmdump"]
+    out["ratios"] = {
+        "ttfb_p50": ratio(x["ttfb_p50_ms"], base["ttfb_p50_ms"]),
+        "ttfb_p99": ratio(x["ttfb_p99_ms"], base["ttfb_p99_ms"]),
+        "added_ttfb_p50": ratio(x["added_ttfb_p50_ms"], base["added_ttfb_p50_ms"]),
+        "added_ttfb_p99": ratio(x["added_ttfb_p99_ms"], base["added_ttfb_p99_ms"]),
+        "event_added_p50_ms": x["event_delay_p50_ms"] - base["event_delay_p50_ms"],
+        "event_added_p99_ms": x["event_delay_p99_ms"] - base["event_delay_p99_ms"],
+        "batched_events": x["batched_events"], "batched_events_mitmdump": base["batched_events"],
+    }
     return rows, out
 
 
 async def run_overhead(plan: Plan, workdir: Path, lab: Lab | None = None) -> dict[str, Any]:
     """Direct vs proxies, to the stamped simulator or (`lab`) one real llama-server."""
-    sim_port, mitm_port, xb_port, buf_port = free_port(), free_port(), free_port(), free_port()
+    sim_port, mitm_port, xb_port = free_port(), free_port(), free_port()
     config = write_crossbar_toml(workdir / "overhead.toml", xb_port, workdir / "overhead.db",
                                  {"sim": sim_port}, "bench", poll_interval="30s", parallel=2)
     targets = [Target("direct", sim_port, CHAT, Conn(sim_port)),
                Target("mitmdump", mitm_port, CHAT, Conn(mitm_port)),
-               Target("mitmdump-buffered", buf_port, CHAT, Conn(buf_port)),
                Target("crossbar", xb_port, "/bench" + CHAT, Conn(xb_port))]
     result: dict[str, Any] = {"token_ms": plan.token_ms, "max_tokens": plan.max_tokens,
                               "requests_per_target": plan.overhead_n, "warmup": plan.overhead_warmup,
@@ -600,10 +628,8 @@ async def run_overhead(plan: Plan, workdir: Path, lab: Lab | None = None) -> dic
         if lab is not None:
             props = await llama_props(lab, sim_port)
             result["slot_ctx"] = props.get("default_generation_settings", {}).get("n_ctx")
-        await stack.enter_async_context(running("mitmdump", bare_mitmdump_cmd(mitm_port, sim_port),
+        await stack.enter_async_context(running("mitmdump", bare_mitmdump_cmd({mitm_port: sim_port}, config),
                                                 workdir, mitm_port, "/health"))
-        buffered = buffered_mitmdump_cmd(buf_port, sim_port)
-        await stack.enter_async_context(running("mitmdump-buffered", buffered, workdir, buf_port, "/health"))
         await stack.enter_async_context(running("crossbar", crossbar_cmd(config), workdir, xb_port,
                                                 "/_crossbar/hosts"))
         for t in targets:
@@ -626,10 +652,11 @@ async def run_overhead(plan: Plan, workdir: Path, lab: Lab | None = None) -> dic
 def real_overhead_table(rows: list[list[str]], sizes: dict[str, Any], plan: Plan, slot_ctx: Any) -> str:
     main = markdown(["body", "target", "TTFB p50", "TTFB p99", "added p50", "added p99",
                      "span p50", "span p99", "added span p50", "added span p99", "requests"], rows)
-    ratio_rows = [[name, baseline, fmt(r[key]["added_ttfb_p50"]), fmt(r[key]["added_ttfb_p99"])]
-                  for name, r in sizes.items()
-                  for key, baseline in (("ratios", "mitmdump"), ("ratios_buffered", "mitmdump-buffered"))]
-    ratios = markdown(["body", "baseline", "added TTFB p50 ratio", "added TTFB p99 ratio"], ratio_rows)
+    ratio_rows = [[name, fmt(r["ratios"]["ttfb_p50"]), fmt(r["ratios"]["ttfb_p99"]),
+                   fmt(r["ratios"]["added_ttfb_p50"]), fmt(r["ratios"]["added_ttfb_p99"])]
+                  for name, r in sizes.items()]
+    ratios = markdown(["body", "TTFB p50 ratio", "TTFB p99 ratio", "added TTFB p50 ratio",
+                       "added TTFB p99 ratio"], ratio_rows)
     flags = " ".join(("-c", str(REAL_OVERHEAD_CTX), "-np 2 -t 1", *REAL_OVERHEAD_ARGS))
     return (f"One llama-server (`tiny-a.gguf`, `{flags}`, {fmt(slot_ctx)} tokens per slot), `max_tokens` "
             f"{plan.max_tokens}, streamed; each body is one conversation whose last message counts up "
@@ -645,22 +672,38 @@ def real_overhead_table(rows: list[list[str]], sizes: dict[str, Any], plan: Plan
 def overhead_table(rows: list[list[str]], sizes: dict[str, Any]) -> str:
     main = markdown(["body", "target", "TTFB p50", "TTFB p99", "added p50", "added p99",
                      "event delay p50", "event delay p99", "requests"], rows)
-    ratio_rows = [[name, baseline, fmt(r[key]["added_ttfb_p50"]), fmt(r[key]["added_ttfb_p99"]),
-                   fmt(r[key]["event_delay_p50"]), fmt(r[key]["event_delay_p99"])]
-                  for name, r in sizes.items()
-                  for key, baseline in (("ratios", "mitmdump"), ("ratios_buffered", "mitmdump-buffered"))]
-    ratios = markdown(["body", "baseline", "added TTFB p50 ratio", "added TTFB p99 ratio",
-                       "event delay p50 ratio", "event delay p99 ratio"], ratio_rows)
-    return (main + "\n\ncrossbar / bare mitmdump (targets: TTFB <= "
-            f"{TTFB_TARGET}, event delay <= {EVENT_TARGET}). `mitmdump` streams request bodies "
-            "upstream as they arrive (`stream_large_bodies=1`); `mitmdump-buffered` reads them whole "
-            "first, as crossbar must to route by body:\n\n" + ratios)
+    ratio_rows = [[name, fmt(r["ratios"]["ttfb_p50"]), fmt(r["ratios"]["ttfb_p99"]),
+                   fmt(r["ratios"]["event_added_p50_ms"], 3), fmt(r["ratios"]["event_added_p99_ms"], 3),
+                   f"{r['ratios']['batched_events']} / {r['ratios']['batched_events_mitmdump']}"]
+                  for name, r in sizes.items()]
+    ratios = markdown(["body", "TTFB p50 ratio", "TTFB p99 ratio", "event delay added p50 (ms)",
+                       "added p99 (ms)", "batched token events: crossbar / mitmdump"], ratio_rows)
+    return (main + "\n\ncrossbar vs bare mitmdump (targets: TTFB ratio <= "
+            f"{TTFB_TARGET}, event delay added <= {EVENT_ADDED_TARGET_MS} ms at p50, no token event "
+            "batched). Bare mitmdump reads each request body whole and streams responses, with the "
+            "mitmproxy options crossbar sets for itself:\n\n" + ratios)
 
 
 # ---------------------------------------------------------------------------- 2. decision cost
 
 
-STEPS = ("resolve", "peek", "lease", "guard", "take_slot", "rewrite")
+STEPS = ("resolve", "peek", "lease", "rewrite")  # lease: placement, lease change and slot
+
+
+class Crossbar:
+    """crossbar's addons in mitmproxy's order, driven directly (no proxy)."""
+
+    def __init__(self, cfg: Config, router: Router) -> None:
+        self.rt = Runtime()
+        self.rt.cfg, self.rt.router = cfg, router
+        self.addons = make_addons(self.rt)
+        self.failover = next(a for a in self.addons if type(a).__name__ == "Failover")
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        for addon in self.addons:
+            hook = getattr(addon, "request", None)
+            if hook is not None:
+                await maybe_await(hook(flow))
 
 
 async def maybe_await(value: Any) -> Any:
@@ -674,12 +717,13 @@ def decision_config(db: Path) -> Config:
                          "routes": {"bench": {"default_model": MODEL}}})
 
 
-async def prefill_leases(router: Router, cfg: Config, count: int) -> None:
+async def prefill_leases(router: Router, cfg: Config, count: int, first: int = 0) -> None:
     route = cfg.routes["bench"]
-    for i in range(count):
+    for i in range(first, first + count):
         fp = hashlib.sha256(b"conversation %d" % i).hexdigest()
         ex = Exchange(route=route, key=Key(route.name, fp, MODEL), path=CHAT, completion=True)
-        await maybe_await(router.lease(ex))
+        await router.lease(ex, None)
+        ex.end()  # the lease stays; the slot is given back
     router.store.flush(30)
 
 
@@ -727,13 +771,12 @@ class StepClock:
 @contextlib.contextmanager
 def instrumented(addon: Crossbar, router: Router, clock: StepClock) -> Iterator[None]:
     """Time the real hook's parts in place: crossbar.request.resolve/peek_body (module functions
-    the addon calls), the router's lease/guard/take_slot and the addon's upstream rewrite."""
+    the addon calls), the router's lease (placement, lease change, slot) and the upstream rewrite."""
     plain = {"resolve": req.resolve, "peek": req.peek_body}
     req.resolve = clock.wrap("resolve", plain["resolve"])  # type: ignore[assignment]
     req.peek_body = clock.wrap("peek", plain["peek"])  # type: ignore[assignment]
     patched: list[tuple[object, str]] = []
-    for obj, attr, name in ((router, "lease", "lease"), (router, "guard", "guard"),
-                            (router, "take_slot", "take_slot"), (addon, "_forward", "rewrite")):
+    for obj, attr, name in ((router, "lease", "lease"), (addon.failover, "_forward", "rewrite")):
         if hasattr(obj, attr):
             setattr(obj, attr, clock.wrap(name, getattr(obj, attr)))
             patched.append((obj, attr))
@@ -757,7 +800,7 @@ async def hook_once(addon: Crossbar, router: Router, flow: http.HTTPFlow) -> tup
         answer = flow.response.get_text() if flow.response is not None else "no exchange"
         raise RuntimeError(f"crossbar did not forward the benchmark request: {answer}")
     t2 = time.perf_counter_ns()
-    router.free_slot(ex)
+    ex.drop_slot()
     t3 = time.perf_counter_ns()
     router.finish(ex)
     router.store.flush(10)  # every round starts with an idle store writer, as at a modest request rate
@@ -769,7 +812,7 @@ def keep_alive(addon: Crossbar, router: Router, flow: http.HTTPFlow) -> None:
     as mitmproxy's `server_connected` hook would on a kept-alive connection: the request then
     needs no pre-flight (a new upstream connection's TCP check is not part of the decision)."""
     addresses = {(h.host, h.port) for h in router.cfg.hosts.values()}
-    addon._upstreams[flow.client_conn.id] = addresses
+    addon.rt.upstreams[flow.client_conn] = addresses
 
 
 async def decision_size(addon: Crossbar, router: Router, size: int, n: int) -> dict[str, Any]:
@@ -805,8 +848,7 @@ async def decision_router(workdir: Path, leases: int) -> AsyncIterator[tuple[Cro
     router = Router(cfg)
     router.open()
     try:
-        addon = Crossbar()
-        addon.cfg, addon.router = cfg, router
+        addon = Crossbar(cfg, router)
         await prefill_leases(router, cfg, leases - 1)  # + the measured conversation's own lease = `leases`
         yield addon, router
     finally:
@@ -818,6 +860,7 @@ async def run_decision(plan: Plan, workdir: Path, overhead: dict[str, Any] | Non
     async with decision_router(workdir, plan.leases) as (addon, router):
         for size_name, n in plan.decision_n.items():
             result["sizes"][size_name] = await decision_size(addon, router, SIZES[size_name], n)
+        result["admin"] = await admin_view_cost(router, SNAPSHOT_LEASES)
     for size_name, d in result["sizes"].items():
         # (a `--real` overhead run has no 1 MiB bodies: that ratio is then n/a)
         mitm = (overhead or {}).get("sizes", {}).get(size_name, {}).get("targets", {}).get("mitmdump")
@@ -827,9 +870,35 @@ async def run_decision(plan: Plan, workdir: Path, overhead: dict[str, Any] | Non
         d["ratio_p50"] = ratio(d["total_p50_us"] / 1e3, d["mitmdump_added_ttfb_p50_ms"])
         d["ratio_p99"] = ratio(d["total_p99_us"] / 1e3, d["mitmdump_added_ttfb_p99_ms"])
         d["ratio_of_full_ttfb_p50"] = ratio(d["total_p50_us"] / 1e3, d["mitmdump_ttfb_p50_ms"])
-    result["table"] = decision_table(result["sizes"], plan.leases)
+    result["table"] = decision_table(result["sizes"], plan.leases) + "\n\n" + admin_table(result["admin"])
     section("Decision cost (in-process, µs)", result["table"])
     return result
+
+
+SNAPSHOT_LEASES = 20_000
+ADMIN_REPEATS = 7
+
+
+async def admin_view_cost(router: Router, leases: int) -> dict[str, Any]:
+    """What the dashboard's lease views cost the event loop at `leases` leases (median ms)."""
+    have = router.leases.count()
+    await prefill_leases(router, router.cfg, leases - have, first=have)
+    admin = Admin(router)
+    out: dict[str, Any] = {"leases": router.leases.count()}
+    for name, view in (("snapshot_ms", router.leases.snapshot), ("routes_ms", admin.routes)):
+        times = []
+        for _ in range(ADMIN_REPEATS):
+            t0 = now_ns()
+            view()
+            times.append((now_ns() - t0) / 1e6)
+        out[name] = pct(times, 50)
+    return out
+
+
+def admin_table(a: dict[str, Any]) -> str:
+    return (f"Lease views at {a['leases']:,} leases (median of {ADMIN_REPEATS}, ms; the dashboard asks every "
+            "2 s): `LeaseTable.snapshot()` " + fmt(a["snapshot_ms"], 1) + ", `GET /_crossbar/routes` body "
+            + fmt(a["routes_ms"], 1) + ".")
 
 
 def decision_table(sizes: dict[str, Any], leases: int) -> str:
@@ -1123,23 +1192,262 @@ def affinity_table(scenarios: dict[str, Any], plan: Plan, lab: Lab | None = None
             + head + "\n\nAccounting cross-check:\n\n" + "\n".join(checks))
 
 
+# ---------------------------------------------------------------------------- 4. pressure
+
+
+RPS_CLIENTS = 16
+RPS_TARGET = 0.95  # crossbar's requests per second >= 0.95 x bare mitmdump's
+STALL_TARGET_MS = 20.0  # a neighbour stream's largest gap grows by less than this
+RSS_TARGET = 1.10  # RSS after the aborted uploads <= 1.1 x warm
+ABORTED_UPLOADS = 8
+BIG_ANSWER_INPUTS = 15_000  # embeddings of 64 floats each: a ~20 MiB non-streamed answer
+NEIGHBOUR_TOKENS = 100  # at token_ms apart: a stream of about a second
+EMBEDDINGS = "/v1/embeddings"
+
+
+@dataclass
+class Proxy:
+    """One proxy under pressure: where its neighbour streams and where its bulk work goes."""
+
+    name: str
+    proc: Proc
+    stream_port: int
+    stream_path: str
+    bulk_port: int
+    bulk_prefix: str  # prepended to the upstream path on the bulk listener
+
+
+def many_messages_body(size: int) -> bytes:
+    """A chat body of exactly `size` bytes made of many small messages."""
+    head, tail = b'{"model":"' + MODEL.encode() + b'","messages":[', b"]}"
+    one = b'{"role":"user","content":"message %07d"},'
+    count = (size - len(head) - len(tail)) // len(one % 0)
+    body = head + b"".join(one % i for i in range(count))[:-1] + tail
+    return body[:-len(tail)] + b" " * (size - len(body)) + tail
+
+
+async def rps_window(proxy: Proxy, seconds: float) -> tuple[float, int]:
+    """Requests per second of RPS_CLIENTS keep-alive clients sending small non-streamed chats."""
+    conns = [Conn(proxy.bulk_port) for _ in range(RPS_CLIENTS)]
+    stop_at = time.monotonic() + seconds
+    done = errors = 0
+
+    async def client(conn: Conn, k: int) -> None:
+        nonlocal done, errors
+        for i in itertools.count():
+            if time.monotonic() >= stop_at:
+                return
+            body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [
+                {"role": "user", "content": f"client {k}"}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": f"question {i}"}]}).encode()
+            got = await conn.post_stream(proxy.bulk_prefix + CHAT, body)
+            done, errors = done + (got.status == 200), errors + (got.status != 200)
+
+    started = time.monotonic()
+    try:
+        await asyncio.gather(*(client(c, k) for k, c in enumerate(conns)))
+    finally:
+        for conn in conns:
+            await conn.close()
+    return done / (time.monotonic() - started), errors
+
+
+async def neighbour(proxy: Proxy) -> tuple[float, float]:
+    """One streamed reply: its largest gap between token events and its largest event delay (ms)."""
+    body = json.dumps({"model": MODEL, "stream": True, "max_tokens": NEIGHBOUR_TOKENS,
+                       "messages": [{"role": "user", "content": "neighbour"}]}).encode()
+    conn = Conn(proxy.stream_port)
+    try:
+        got = await conn.post_stream(proxy.stream_path, body)
+    finally:
+        await conn.close()
+    arrivals = [at for at, stamp in got.events if stamp is not None][1:-1]
+    gaps = [(b - a) / 1e6 for a, b in itertools.pairwise(arrivals)]
+    delays = [(at - stamp) / 1e6 for at, stamp in got.events if stamp is not None]
+    return (max(gaps) if gaps else math.nan), (max(delays) if delays else math.nan)
+
+
+async def raw_exchange(port: int, head: bytes, body: bytes, abort: bool = False) -> int:
+    """Send a request in 1 MiB writes; read the whole answer (its size), or abort one byte early."""
+    reader, writer = await asyncio.open_connection(LOOPBACK, port)
+    try:
+        writer.write(head)
+        end = len(body) - 1 if abort else len(body)
+        for at in range(0, end, 1 << 20):
+            writer.write(body[at:min(at + (1 << 20), end)])
+            await writer.drain()
+        if abort:
+            return 0
+        _, headers = await read_head(reader)
+        return sum([len(chunk) async for chunk in body_chunks(reader, headers)])
+    finally:
+        writer.transport.abort() if abort else writer.close()
+
+
+def post_head(path: str, port: int, length: int) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: {LOOPBACK}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode()
+
+
+async def stall_round(proxy: Proxy, upload: bytes, answer_body: bytes) -> dict[str, float]:
+    quiet_gap, quiet_delay = await neighbour(proxy)
+    stream = asyncio.create_task(neighbour(proxy))
+    await asyncio.sleep(0.15)  # the neighbour's stream is under way
+    chat, emb = proxy.bulk_prefix + CHAT, proxy.bulk_prefix + EMBEDDINGS
+    _, answer = await asyncio.gather(
+        raw_exchange(proxy.bulk_port, post_head(chat, proxy.bulk_port, len(upload)), upload),
+        raw_exchange(proxy.bulk_port, post_head(emb, proxy.bulk_port, len(answer_body)), answer_body))
+    loaded_gap, loaded_delay = await stream
+    return {"quiet_gap_ms": quiet_gap, "loaded_gap_ms": loaded_gap, "gap_growth_ms": loaded_gap - quiet_gap,
+            "quiet_delay_ms": quiet_delay, "loaded_delay_ms": loaded_delay, "answer_bytes": answer}
+
+
+async def aborted_uploads(proxy: Proxy, max_body: int) -> dict[str, float]:
+    """RSS when warm, then after ABORTED_UPLOADS concurrent `max_body` uploads cut one byte short."""
+    await asyncio.sleep(1.0)
+    warm = rss_kib(proxy.proc.popen.pid)
+    body = b" " * max_body
+    path = proxy.bulk_prefix + CHAT
+    await asyncio.gather(*(raw_exchange(proxy.bulk_port, post_head(path, proxy.bulk_port, max_body), body,
+                                        abort=True) for _ in range(ABORTED_UPLOADS)))
+    peak = rss_kib(proxy.proc.popen.pid)
+    await asyncio.sleep(3.0)
+    after = rss_kib(proxy.proc.popen.pid)
+    return {"warm_kib": warm, "peak_kib": peak, "after_kib": after, "after_over_warm": ratio(after, warm)}
+
+
+def rss_kib(pid: int) -> int:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+@contextlib.asynccontextmanager
+async def pressure_proxies(plan: Plan, workdir: Path) -> AsyncIterator[tuple[list[Proxy], int]]:
+    """A stamped sim for the neighbour streams, a fast 16-slot sim for bulk work, and both proxies
+    in front of them (crossbar: route `bench` and route `bulk`; bare mitmdump: one listener each)."""
+    sim_port, bulk_port, xb_port = free_port(), free_port(), free_port()
+    mitm_stream, mitm_bulk = free_port(), free_port()
+    config = write_crossbar_toml(workdir / "pressure.toml", xb_port, workdir / "pressure.db",
+                                 {"sim": sim_port, "fast": bulk_port}, "bench", poll_interval="30s",
+                                 parallel=2, own_routes={"bulk": ("fast", RPS_CLIENTS)})
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(running("sim", sim_cmd(sim_port, plan.token_ms, plan.max_tokens),
+                                                workdir, sim_port, "/health"))
+        await stack.enter_async_context(running("bulk-sim", sim_cmd(bulk_port, 0.0, 1, slots=RPS_CLIENTS),
+                                                workdir, bulk_port, "/health"))
+        mitm = await stack.enter_async_context(running(
+            "mitmdump", bare_mitmdump_cmd({mitm_stream: sim_port, mitm_bulk: bulk_port}, config), workdir,
+            mitm_stream, "/health"))
+        xb = await stack.enter_async_context(running("crossbar", crossbar_cmd(config), workdir, xb_port,
+                                                     "/_crossbar/hosts"))
+        yield ([Proxy("mitmdump", mitm, mitm_stream, CHAT, mitm_bulk, ""),
+                Proxy("crossbar", xb, xb_port, "/bench" + CHAT, xb_port, "/bulk")],
+               load_config(config).max_body)
+
+
+async def run_pressure(plan: Plan, workdir: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {"rps": {}, "stall": {}, "rss": {}}
+    async with pressure_proxies(plan, workdir) as (proxies, max_body):
+        for proxy in proxies:  # warm-up
+            await rps_window(proxy, 0.5)
+        rps: dict[str, list[float]] = {p.name: [] for p in proxies}
+        rps_errors = dict.fromkeys(rps, 0)
+        for window in range(plan.rps_windows):
+            for proxy in proxies if window % 2 == 0 else proxies[::-1]:
+                value, errors = await rps_window(proxy, plan.rps_window_s)
+                rps[proxy.name].append(value)
+                rps_errors[proxy.name] += errors
+        for name, values in rps.items():
+            result["rps"][name] = {"windows": values, "median": pct(values, 50), "errors": rps_errors[name]}
+        result["rps"]["ratio"] = ratio(result["rps"]["crossbar"]["median"],
+                                       result["rps"]["mitmdump"]["median"])
+        upload = many_messages_body(max_body)
+        answer_body = json.dumps({"model": MODEL, "input": [f"text {i}" for i in range(BIG_ANSWER_INPUTS)]}
+                                 ).encode()
+        rounds: dict[str, list[dict[str, float]]] = {p.name: [] for p in proxies}
+        for _ in range(plan.stall_rounds):
+            for proxy in proxies:
+                rounds[proxy.name].append(await stall_round(proxy, upload, answer_body))
+        for name, rs in rounds.items():
+            growth = [r["gap_growth_ms"] for r in rs]
+            result["stall"][name] = {
+                "rounds": rs, "quiet_gap_p50_ms": pct([r["quiet_gap_ms"] for r in rs], 50),
+                "loaded_gap_p50_ms": pct([r["loaded_gap_ms"] for r in rs], 50),
+                "gap_growth_p50_ms": pct(growth, 50), "gap_growth_max_ms": max(growth),
+                "loaded_delay_max_ms": max(r["loaded_delay_ms"] for r in rs),
+                "answer_mib": rs[0]["answer_bytes"] / (1 << 20)}
+        result["upload_mib"] = len(upload) / (1 << 20)
+        for proxy in proxies:
+            result["rss"][proxy.name] = await aborted_uploads(proxy, max_body)
+    result["table"] = pressure_table(result, plan)
+    section("Throughput, stalls and memory", result["table"])
+    return result
+
+
+def pressure_table(r: dict[str, Any], plan: Plan) -> str:
+    rps = markdown(["proxy", "requests/s (median of windows)", "windows", "errors"],
+                   [[name, fmt(r["rps"][name]["median"], 0),
+                     " / ".join(fmt(v, 0) for v in r["rps"][name]["windows"]), str(r["rps"][name]["errors"])]
+                    for name in ("mitmdump", "crossbar")])
+    stall = markdown(["proxy", "neighbour's largest gap, quiet (p50)", "under load (p50)", "growth p50",
+                      "growth worst", "largest event delay under load"],
+                     [[name, fmt(s["quiet_gap_p50_ms"]), fmt(s["loaded_gap_p50_ms"]),
+                       fmt(s["gap_growth_p50_ms"]), fmt(s["gap_growth_max_ms"]),
+                       fmt(s["loaded_delay_max_ms"])]
+                      for name, s in r["stall"].items()])
+    rss = markdown(["proxy", "warm RSS (MiB)", "peak", "3 s after", "after / warm"],
+                   [[name, fmt(m["warm_kib"] / 1024, 0), fmt(m["peak_kib"] / 1024, 0),
+                     fmt(m["after_kib"] / 1024, 0), fmt(m["after_over_warm"])]
+                    for name, m in r["rss"].items()])
+    return (f"Requests per second: {RPS_CLIENTS} keep-alive clients, small non-streamed chats to a simulated "
+            f"host that answers at once, {plan.rps_windows} windows of {plan.rps_window_s:g} s per proxy, "
+            f"interleaved (target: crossbar >= {RPS_TARGET} x mitmdump; ratio {fmt(r['rps']['ratio'])}).\n\n"
+            + rps + f"\n\nStalls: a neighbour stream ({NEIGHBOUR_TOKENS} tokens, {plan.token_ms:g} ms apart) "
+            f"alone, then again while one client sends a {fmt(r['upload_mib'], 1)} MiB (max_body) chat of "
+            f"small messages and another receives a ~{fmt(r['stall']['crossbar']['answer_mib'], 0)} MiB "
+            f"non-streamed embeddings answer; {plan.stall_rounds} rounds per proxy (ms; target: growth < "
+            f"{STALL_TARGET_MS:g} ms).\n\n" + stall
+            + f"\n\nMemory: {ABORTED_UPLOADS} concurrent uploads of max_body bytes, each cut one byte short "
+            f"(target: after <= {RSS_TARGET} x warm).\n\n" + rss)
+
+
+def pressure_checks(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    r = results.get("pressure")
+    if not r:
+        return []
+    growth = r["stall"]["crossbar"]["gap_growth_p50_ms"]
+    rss = r["rss"]["crossbar"]["after_over_warm"]
+    return [("requests per second, crossbar / mitmdump", fmt(r["rps"]["ratio"], 3), f">= {RPS_TARGET}",
+             r["rps"]["ratio"] >= RPS_TARGET),
+            ("neighbour stream's largest gap growth under load, crossbar (ms, p50)", fmt(growth),
+             f"< {STALL_TARGET_MS:g}", growth < STALL_TARGET_MS),
+            ("RSS after aborted uploads / warm, crossbar", fmt(rss, 3), f"<= {RSS_TARGET}",
+             rss <= RSS_TARGET)]
+
+
 # ---------------------------------------------------------------------------- summary and main
 
 
 def checks(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     out: list[tuple[str, str, str, bool | None]] = []
     overhead = results.get("overhead", {})
-    measured = [("added_ttfb_p50", "added TTFB p50", TTFB_TARGET),
-                ("added_ttfb_p99", "added TTFB p99", TTFB_TARGET)]
-    if overhead.get("upstream") != "llama-server":  # the real server stamps no events
-        measured += [("event_delay_p50", "event delay p50", EVENT_TARGET),
-                     ("event_delay_p99", "event delay p99", EVENT_TARGET)]
+    stamped = overhead.get("upstream") != "llama-server"  # the real server stamps no events
     for size, r in overhead.get("sizes", {}).items():
-        for ratios, baseline in (("ratios", "mitmdump"), ("ratios_buffered", "mitmdump-buffered")):
-            rt = r[ratios]
-            for key, label, target in measured:
-                out.append((f"overhead {size}: {label}, crossbar / {baseline}", fmt(rt[key], 3),
-                            f"<= {target}", None if math.isnan(rt[key]) else rt[key] <= target))
+        rt = r["ratios"]
+        for key, label in (("ttfb_p50", "TTFB p50"), ("ttfb_p99", "TTFB p99")):
+            out.append((f"overhead {size}: {label}, crossbar / mitmdump", fmt(rt[key], 3),
+                        f"<= {TTFB_TARGET}", None if math.isnan(rt[key]) else rt[key] <= TTFB_TARGET))
+        if stamped:
+            added = rt["event_added_p50_ms"]
+            out.append((f"overhead {size}: event delay p50, crossbar - mitmdump (ms)", fmt(added, 3),
+                        f"<= {EVENT_ADDED_TARGET_MS}",
+                        None if math.isnan(added) else added <= EVENT_ADDED_TARGET_MS))
+            out.append((f"overhead {size}: token events batched by crossbar", str(rt["batched_events"]),
+                        "0", rt["batched_events"] == 0))
+    out += pressure_checks(results)
     for size, d in results.get("decision", {}).get("sizes", {}).items():
         for key in ("ratio_p50", "ratio_p99"):
             out.append((f"decision {size}: decision / mitmdump's own cost ({key[-3:]})", fmt(d[key], 3),
@@ -1183,7 +1491,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--real", action="store_true",
                    help="overhead and affinity against real llama-server processes ($CROSSBAR_LLAMA_LAB, "
                         "default ~/.cache/crossbar-llama-lab) instead of the simulator")
-    p.add_argument("--only", choices=("overhead", "decision", "affinity"), action="append",
+    p.add_argument("--only", choices=("overhead", "decision", "affinity", "pressure"), action="append",
                    help="run only this section (repeatable)")
     p.add_argument("--out", type=Path, help="JSON result file (default bench/results/bench-<time>.json)")
     return p.parse_args(argv)
@@ -1204,7 +1512,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     plans = (QUICK, Plan()) if lab is None else (REAL_QUICK, REAL)
     plan = plans[0] if args.quick else plans[1]
     # the decision cost is in-process and engine-independent: `--real` runs it only when asked
-    wanted = args.only or (["overhead", "affinity"] if lab else ["overhead", "decision", "affinity"])
+    everything = ["overhead", "decision", "affinity", "pressure"]
+    wanted = args.only or (["overhead", "affinity"] if lab else everything)
     results: dict[str, Any] = {"environment": environment(plan, args)}
     if lab is not None:
         results["environment"]["llama_server"] = {"path": str(lab.server), "model": str(lab.model)}
@@ -1217,6 +1526,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results["decision"] = await run_decision(plan, workdir, results.get("overhead"))
         if "affinity" in wanted:
             results["affinity"] = await run_affinity(plan, workdir, lab)
+        if "pressure" in wanted and lab is None:
+            results["pressure"] = await run_pressure(plan, workdir)
     if lab is not None:
         results["environment"]["llama_server"]["build"] = lab.build
     results["elapsed_s"] = round(time.monotonic() - started, 1)

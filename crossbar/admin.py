@@ -1,6 +1,6 @@
 """The operator's API under `/_crossbar/`, answered without contacting any upstream.
 
-Shapes follow the reference README: `hosts`, `routes`, `routes/{route}` (pin/release),
+Endpoints (README, "Operating it"): `hosts`, `routes`, `routes/{route}` (pin/release),
 `hosts/{host}` (drain), `usage`, `metrics`. Every error is JSON.
 """
 
@@ -20,14 +20,16 @@ from crossbar import dashboard, errors
 from crossbar.app import Router
 from crossbar.config import ConfigError, parse_duration
 from crossbar.errors import CrossbarError
-from crossbar.lease import UnknownHost
+from crossbar.lease import Lease, UnknownHost
 from crossbar.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from crossbar.request import match_route
+from crossbar.session import key_kind
 
 PREFIX = "/_crossbar"
 READ_FLUSH_TIMEOUT = 2.0  # a failing database must not hold the admin API longer than this
 T = TypeVar("T")
 JSON_TYPE = "application/json"
+ROUTE_LEASES = 50  # leases listed per route in GET /_crossbar/routes, most recently used first
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -98,9 +100,7 @@ class Admin:
         for name, conf in r.cfg.hosts.items():
             st = r.fleet.state[name]
             in_flight, queued = r.limiter.host_totals(name)
-            free = sum(
-                r.fleet.free_slots(name, m, r.limiter.in_flight(name, m)) for m in conf.models
-            )
+            free = sum(r.fleet.free_slots(name, m, r.in_flight(name, m)) for m in conf.models)
             out[name] = {
                 "healthy": st.healthy,
                 "loaded": sorted(st.loaded),
@@ -113,6 +113,8 @@ class Admin:
                 "n_ctx": st.n_ctx,
                 "slots": st.slots,
                 "models": {m: {"n_ctx": c.n_ctx, "slots": c.slots} for m, c in sorted(st.models.items())},
+                # the per-slot context the context guard uses for each model it serves
+                "ctx": {m: r.fleet.slot_ctx(name, m) for m in sorted(set(conf.models) | set(st.loaded))},
                 "router": st.router,
                 "weight": conf.weight,
                 "base_url": conf.base_url,
@@ -120,18 +122,11 @@ class Admin:
         return out
 
     def routes(self) -> dict[str, Any]:
+        """Every route with its lease count per host and its most recently used leases (at most
+        ROUTE_LEASES each): the view stays small however many conversations a route holds."""
         r = self.router
-        by_route: dict[str, list[dict[str, Any]]] = {}
-        for lease in r.leases.snapshot():
-            by_route.setdefault(lease.key.route, []).append({
-                "fp": lease.key.fp,
-                "model": lease.key.model,
-                "host": lease.host,
-                "state": lease.state,
-                "created": rfc3339(lease.created),
-                "last_used": rfc3339(lease.last_used),
-            })
-        names = list(r.cfg.routes) + sorted(set(by_route) - set(r.cfg.routes))
+        holding = r.leases.routes()
+        names = list(r.cfg.routes) + sorted(set(holding) - set(r.cfg.routes))
         out: dict[str, Any] = {}
         for name in names:
             conf = r.cfg.routes.get(name) or match_route(name, r.cfg.routes)
@@ -141,7 +136,9 @@ class Admin:
                 "hosts": list(conf.hosts),
                 "default_model": conf.default_model,
                 "pinned": r.leases.pinned(name),
-                "leases": by_route.get(name, []),
+                "lease_count": r.leases.count(name),
+                "hosts_leases": r.leases.hosts_count(name),
+                "leases": [_lease_json(lease) for lease in r.leases.leases_of(name, ROUTE_LEASES)],
             }
             if conf.is_template:
                 out[name]["template"] = True  # concrete routes made from it are listed by name
@@ -199,7 +196,7 @@ class Admin:
             raise errors.bad_request("'limit' must be a number") from None
         rows = await asyncio.to_thread(self._read, self.router.store.lease_events, limit)
         return [
-            {"ts": rfc3339(e.ts), "route": e.route, "fp": e.fp, "model": e.model,
+            {"ts": rfc3339(e.ts), "route": e.route, "fp": e.fp, "key": key_kind(e.fp), "model": e.model,
              "from": e.from_host or "", "to": e.to_host or "", "reason": e.reason}
             for e in rows
         ]
@@ -277,7 +274,7 @@ def usage_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         prompt, cached = row.get("prompt_tokens") or 0, row.get("cached_tokens") or 0
         hit = f"{cached / prompt:.2f}" if prompt else "-"
-        line = [str(row["key"] or "-")] + [str(row.get(c) or 0) for c in USAGE_COLUMNS] + [hit]
+        line = [printable(str(row["key"] or "-"))] + [str(row.get(c) or 0) for c in USAGE_COLUMNS] + [hit]
         if uptime:
             line.append("-" if row.get("uptime") is None else f"{row['uptime']:.4f}")
         lines.append(line)
@@ -287,6 +284,30 @@ def usage_table(rows: list[dict[str, Any]]) -> str:
                  strict=True))).rstrip() + "\n"
         for line in lines
     )
+
+
+def _lease_json(lease: Lease) -> dict[str, Any]:
+    return {
+        "fp": lease.key.fp,
+        "key": key_kind(lease.key.fp),
+        "model": lease.key.model,
+        "host": lease.host,
+        "state": lease.state,
+        "created": rfc3339(lease.created),
+        "last_used": rfc3339(lease.last_used),
+    }
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def printable(text: str) -> str:
+    """`text` with every control character escaped (`\\x1b`), so a name chosen by a client
+    cannot move the cursor or rewrite the operator's terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _ESCAPES.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100
+                   else f"\\u{ord(c):04x}") for c in text)
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

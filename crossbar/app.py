@@ -1,30 +1,38 @@
-"""The running router: config, host health, leases, slots, store and metrics, and placement.
+"""The running router: config, host health, leases, slots, store and metrics.
 
-`Router` owns every piece of live state and the decisions made with it; the mitmproxy addon
-(`crossbar.addon`) only calls into it from its hooks. Nothing here blocks the event loop: the
-store is written by its own thread, the poller is an asyncio task.
+`Router` owns every piece of live state. Where a request goes is decided by the pure
+`crossbar.placement.place`; the router gathers its inputs (a fleet snapshot, the lease table's
+view), wakes sleeping hosts when placement asks and places again, takes the slot, and only then
+applies the lease change. The mitmproxy addons (`crossbar.addons`) call into it from their hooks.
+Nothing here blocks the event loop: the store is written by its own thread, the poller is an
+asyncio task.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from crossbar import errors
-from crossbar.choose import Candidate, choose
-from crossbar.config import Config
+from crossbar.choose import Candidate
+from crossbar.config import Config, RouteConf
+from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.exchange import Exchange
-from crossbar.guard import TokenEstimator, fits, overflow
+from crossbar.guard import TokenEstimator, overflow
 from crossbar.hosts import Fleet, Poller, PollResult
-from crossbar.lease import Grant, LeaseTable, NoHost, PinnedDown
-from crossbar.limiter import ClientGone, Limiter, QueueFull
+from crossbar.lease import LeaseEvent, LeaseTable
+from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull
 from crossbar.metrics import LiveCollector, Metrics, SlotRow
+from crossbar.placement import Ask, Placement, Refusal, Snapshot, place
 from crossbar.store import Store
 from crossbar.wake import Waker
 
 log = logging.getLogger("crossbar")
+
+OTHER = "other"  # metrics label of a model no host's config lists
 
 
 class Router:
@@ -33,19 +41,20 @@ class Router:
         self.store = store or Store(cfg.db)
         self.fleet = Fleet(cfg.hosts)
         self.limiter = Limiter(cfg.queue_max, self.fleet.capacity)
-        self.leases = LeaseTable(self.store, self.fleet, self._choose, cfg.lease_idle)
+        self.leases = LeaseTable(self.store, cfg.lease_idle)
         self.metrics = Metrics()
-        self.store.on_event(self.metrics.lease_moved)  # one count per lease_events row, every reason
+        self.leases.subscribe(self._record_event)
+        self.leases.subscribe(self.metrics.lease_event)
         self.metrics.add_live(
             LiveCollector(self._health_rows, self._slot_rows, lambda: self.store.errors, self.leases.count)
         )
-        self.poller = Poller(
-            self.fleet, cfg.poll_interval, cfg.poll_timeout, self._on_poll, self._on_poll_round
-        )
+        self.poller = Poller(self.fleet, cfg.poll_interval, cfg.poll_timeout, self._on_poll,
+                             self._on_poll_round, self.limiter.usage)
         self.estimator = TokenEstimator()
         self.waker = Waker(cfg.hosts, self.fleet.healthy, self.poller.poll_one)
-        self.live: set[Exchange] = set()  # forwarded and not finished: what a graceful stop waits for
+        self.live: set[Exchange] = set()  # admitted and not ended: what a graceful stop waits for
         self._housekeeping: asyncio.Task[None] | None = None
+        self._configured_models = frozenset(m for conf in cfg.hosts.values() for m in conf.models)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -57,7 +66,7 @@ class Router:
             if route.pin and self.leases.pinned(name) != route.pin:
                 self.leases.pin(name, route.pin, route.hosts, time.time())
         self.store.start()
-        log.info("crossbar: %d leases loaded from %s", self.leases.count(), self.cfg.db)
+        log.info("crossbar: %d leases loaded from %s", self.leases.count(), self.store.label)
 
     def start_background(self) -> None:
         self.poller.start()
@@ -71,7 +80,7 @@ class Router:
             await asyncio.sleep(every)
 
     async def drain(self, timeout: float) -> bool:
-        """Wait until every forwarded request has finished (or `timeout`); True when none is left."""
+        """Wait until every admitted request has ended (or `timeout`); True when none is left."""
         deadline = time.monotonic() + timeout
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -83,203 +92,265 @@ class Router:
         await self.poller.stop()
         await asyncio.to_thread(self.store.close)
 
-    # ------------------------------------------------------------ placement
+    # ------------------------------------------------------------ a request's life
 
-    def candidates(self, names: Sequence[str], model: str) -> list[Candidate]:
-        fleet, limiter = self.fleet, self.limiter
-        return [
-            Candidate(
+    def admit(self, ex: Exchange) -> None:
+        """The exchange is live until it ends; its conversation is in use meanwhile."""
+        self.live.add(ex)
+        ex.on_end(lambda: self.live.discard(ex))
+        if ex.completion:
+            self.leases.hold(ex.key)
+            ex.on_end(lambda: self.leases.unhold(ex.key, time.time()))
+
+    def estimate(self, ex: Exchange, host: str = "") -> int:
+        """Estimated prompt tokens of a completion (0 for reads): on `host`, from what its replies
+        taught about the model; without a host, the plain byte estimate."""
+        if not ex.completion:
+            return 0
+        if host:
+            return self.estimator.estimate(host, ex.model, ex.prompt_bytes)
+        return self.estimator.plain(ex.prompt_bytes)
+
+    def snapshot(self, route: RouteConf, model: str, tokens: Callable[[str], int] | None = None) -> Snapshot:
+        """The fleet for this model, read lazily: a request that stays on its lease reads only
+        its own host. `tokens` gives the prompt estimate per host (else the request's own)."""
+        fleet = self.fleet
+
+        def candidate(name: str) -> Candidate:
+            return Candidate(
                 name=name,
                 healthy=fleet.healthy(name),
                 draining=fleet.draining(name),
-                loaded=fleet.loaded(name, model),
+                loaded=bool(model) and fleet.loaded(name, model),
                 listed=fleet.conf[name].serves(model),
-                free_slots=fleet.free_slots(name, model, limiter.in_flight(name, model)),
+                free_slots=fleet.free_slots(name, model, self.in_flight(name, model)),
                 weight=fleet.conf[name].weight,
-                queued=limiter.queued(name, model),
-                order=i,
+                queued=self.queued(name, model),
+                order=route.hosts.index(name),
             )
-            for i, name in enumerate(names)
-        ]
 
-    def _choose(self, names: Sequence[str], model: str) -> str | None:
-        choice = choose(self.candidates(names, model))
-        if choice and choice.loads_model:
-            log.warning("no host has %r loaded; placing it on %s, which will load it", model, choice.host)
-        return choice.host if choice else None
+        def ctx(name: str) -> int:
+            return fleet.slot_ctx(name, model) if model else 0
 
-    async def lease(self, ex: Exchange, exclude: Iterable[str] = (), reason: str = "unhealthy") -> Grant:
-        """Pick the host for this request (sticky lease). With no healthy host left, wake a sleeping
-        candidate (wake-on-LAN) and try once more. Errors are the client's answer."""
-        try:
-            grant = self._acquire(ex, exclude, reason)
-        except NoHost as exc:
-            woke = await self.waker.wake(ex.route.hosts)
-            if not woke:
-                self.metrics.rejected.labels("no_host").inc()
-                raise errors.no_healthy_host([], self._poll_wait()) from exc
+        known = not model or any(fleet.knows(name, model) for name in route.hosts)
+        per_host = Lazy(route.hosts, tokens) if tokens is not None else None
+        return Snapshot(Lazy(route.hosts, candidate), Lazy(route.hosts, ctx), known, per_host)
+
+    def _ask(self, ex: Exchange, why: Reason) -> Ask:
+        return Ask(route=ex.key.route, model=ex.model, hosts=ex.route.hosts, fp=ex.key.fp,
+                   read=not ex.completion, tokens=self.estimate(ex), excluded=frozenset(ex.excluded),
+                   why=why)
+
+    def _place_once(self, ex: Exchange, why: Reason) -> Placement | Refusal:
+        """Placement with each host's learned prompt estimate; a learned estimate alone never
+        refuses a prompt that the plain byte estimate lets fit, so a context refusal is checked
+        once more with the plain estimate."""
+        view = self.leases.view(ex.key, read=not ex.completion, own=ex.completion)
+        ask, now = self._ask(ex, why), time.time()
+        learned = self.snapshot(ex.route, ex.model, lambda host: self.estimate(ex, host))
+        result = place(ask, learned, view, now, self.cfg.lease_idle)
+        if isinstance(result, Refusal) and result.reason == Rejection.CONTEXT:
+            plain = place(ask, self.snapshot(ex.route, ex.model), view, now, self.cfg.lease_idle)
+            if not isinstance(plain, Refusal) or plain.reason != Rejection.CONTEXT:
+                return plain
+        return result
+
+    async def place(self, ex: Exchange, why: Reason = Reason.UNHEALTHY) -> Placement:
+        """Run placement; when it names hosts worth waking, wake them and run it again. A refusal
+        is raised as the client's answer."""
+        result = self._place_once(ex, why)
+        woke: list[str] = []
+        if isinstance(result, Refusal) and result.wake:
+            woke = await self.waker.wake(list(result.wake))
+            if woke:
+                result = self._place_once(ex, why)
+        if isinstance(result, Refusal):
+            raise self._refused(ex, result, woke)
+        if result.loads_model:
+            log.warning("no host has %r loaded; placing it on %s, which will load it", ex.model, result.host)
+        return result
+
+    def _refused(self, ex: Exchange, refusal: Refusal, woke: list[str]) -> errors.CrossbarError:
+        match refusal.reason:
+            case Rejection.MISSING_MODEL | Rejection.UNKNOWN_MODEL:
+                return errors.bad_request(refusal.message, refusal.reason)
+            case Rejection.CONTEXT:
+                tokens = max(self.estimate(ex, host) for host in ex.route.hosts)  # the best-informed
+                err = overflow(tokens, refusal.n_ctx)
+                err.reason = Rejection.CONTEXT
+                return err
+            case Rejection.PINNED_DOWN:
+                return errors.unavailable(refusal.message, self._poll_wait(), Rejection.PINNED_DOWN)
+        return errors.no_healthy_host(woke, self._poll_wait())
+
+    async def lease(self, ex: Exchange, gone: asyncio.Event | None) -> None:
+        """Place the request, apply its lease change and take a slot on its host. A host that goes
+        down while the request waits, or is found unusable once the slot is granted, sends the
+        request on (the lease moves only once the new host's slot is held)."""
+        self._settle(ex, await self.place(ex))
+        await self._slot_until_usable(ex, gone)
+
+    def _settle(self, ex: Exchange, placed: Placement) -> None:
+        self.leases.apply(ex.key, placed.change, time.time())
+        ex.host, ex.decision = placed.host, placed.decision
+        if placed.decision == Decision.CONTEXT:
+            self._context_moved(ex, placed)
+
+    def _context_moved(self, ex: Exchange, placed: Placement) -> None:
+        was = placed.change.from_host
+        log.warning("prompt of ~%d tokens does not fit %s; moved %s/%s to %s", self.estimate(ex), was,
+                    ex.key.route, ex.model, placed.host)
+        ex.ctx_moved = f"moved:{was}>{placed.host}"
+
+    def usable(self, ex: Exchange) -> bool:
+        return self.fleet.healthy(ex.host) and ex.host not in ex.excluded
+
+    async def _slot_until_usable(self, ex: Exchange, gone: asyncio.Event | None) -> None:
+        placed: Placement | None = None
+        for _ in range(len(ex.route.hosts) + 1):
             try:
-                grant = self._acquire(ex, exclude, reason)
-            except NoHost:
-                self.metrics.rejected.labels("no_host").inc()
-                raise errors.no_healthy_host(woke, self._poll_wait()) from exc
-        ex.host, ex.decision = grant.host, str(grant.decision)
-        return grant
-
-    def _acquire(self, ex: Exchange, exclude: Iterable[str], reason: str) -> Grant:
-        try:
-            return self.leases.acquire(ex.key, ex.route.hosts, time.time(), frozenset(exclude), reason)
-        except PinnedDown as exc:
-            self.metrics.rejected.labels("pinned_down").inc()
-            raise errors.unavailable(str(exc), retry_after=self._poll_wait()) from exc
-
-    async def host_for_read(self, ex: Exchange, exclude: Collection[str] = ()) -> None:
-        """A GET pass-through (/v1/models, /health, /props) or a control call is answered by the
-        host the route's conversations for that model live on, else by the best candidate. It
-        creates no lease."""
-        usable = [h for h in ex.route.hosts if self.fleet.healthy(h) and h not in exclude]
-        pin = self.leases.pinned(ex.key.route)
-        if pin:
-            if pin not in usable:
-                raise errors.unavailable(f"route {ex.key.route!r} is pinned to {pin!r}, which is not healthy",
-                                         retry_after=self._poll_wait())
-            ex.host, ex.decision = pin, "pinned"
-            return
-        for lease in self.leases.leases_of(ex.key.route):
-            if (not ex.model or lease.key.model == ex.model) and lease.host in usable:
-                ex.host, ex.decision = lease.host, "reused"
-                return
-        if not usable:
-            woke = await self.waker.wake(ex.route.hosts)
-            usable = [h for h in ex.route.hosts if self.fleet.healthy(h) and h not in exclude]
-            if not usable:
-                raise errors.no_healthy_host(woke, self._poll_wait())
-        ex.host = (self._choose(usable, ex.model) if ex.model else None) or usable[0]
-        ex.decision = "new"
-
-    async def guard(self, ex: Exchange) -> None:
-        """Context guard, after the lease: a prompt that does not fit the leased host's per-slot
-        context moves (with its lease) to a candidate where it fits; fitting nowhere is a 400 in
-        llama-server's own shape. A context that is unknown never blocks."""
-        est = self.estimator.estimate(ex.model, ex.prompt_bytes)
-        if fits(est, self.fleet.slot_ctx(ex.host, ex.model)):
-            return
-        fitting = self._fitting(ex.route.hosts, ex.model, est)
-        if not fitting:
-            await self.waker.wake([h for h in ex.route.hosts if self._could_fit(h, ex.model, est)])
-            fitting = self._fitting(ex.route.hosts, ex.model, est)
-        if not fitting:
-            self.metrics.rejected.labels("context").inc()
-            raise overflow(est, self.largest_slot_ctx(ex.model))
-        was = ex.host
-        try:
-            grant_host = self.leases.acquire(ex.key, fitting, time.time(), frozenset({was}), "context").host
-        except (NoHost, PinnedDown) as exc:
-            self.metrics.rejected.labels("context").inc()
-            raise overflow(est, self.largest_slot_ctx(ex.model)) from exc
-        log.warning("prompt of ~%d tokens does not fit %s; moved %s/%s to %s", est, was, ex.key.route,
-                    ex.model, grant_host)
-        ex.host, ex.decision, ex.ctx_moved = grant_host, "moved:context", f"moved:{was}>{grant_host}"
-
-    def _fitting(self, names: Sequence[str], model: str, tokens: int) -> list[str]:
-        return [h for h in names if self.fleet.healthy(h) and not self.fleet.draining(h)
-                and fits(tokens, self.fleet.slot_ctx(h, model))]
-
-    def _could_fit(self, host: str, model: str, tokens: int) -> bool:
-        """A sleeping host worth waking for this prompt: it serves the model and its per-slot
-        context (configured or last learned) is unknown or large enough."""
-        return self.fleet.conf[host].serves(model) and fits(tokens, self.fleet.slot_ctx(host, model))
-
-    def largest_slot_ctx(self, model: str) -> int:
-        """The largest per-slot context among hosts that have the model loaded."""
-        return max((self.fleet.slot_ctx(h, model) for h in self.cfg.hosts
-                    if self.fleet.loaded(h, model)), default=0)
+                if placed is None:
+                    await self.take_slot(ex, gone)
+                else:
+                    await self._take_then_settle(ex, placed, gone)
+            except HostDown:
+                pass
+            else:
+                if self.usable(ex):
+                    return
+                ex.drop_slot()
+            log.warning("%s went down while %s/%s waited for it; placing it again", ex.host,
+                        ex.key.route, ex.model)
+            placed = await self.place(ex)
+        raise errors.no_healthy_host([], self._poll_wait())
 
     async def take_slot(self, ex: Exchange, gone: asyncio.Event | None) -> None:
-        """Wait (bounded FIFO) for a slot on the leased host; 503 + Retry-After when the queue is full."""
+        """Wait (bounded FIFO) for a slot on the request's host; 503 + Retry-After when the queue
+        is full; `HostDown` when the host is marked down meanwhile."""
         if not ex.completion:
             return
+        key = self.fleet.slot_key(ex.host, ex.model)
         try:
-            ex.ticket = await self.limiter.acquire(ex.host, ex.model, gone, hold=ex.route.queue)
+            ticket = await self.limiter.acquire(ex.host, key, gone, hold=ex.route.queue)
         except QueueFull as exc:
-            self.metrics.rejected.labels("queue_full").inc()
-            ex.status, ex.err = 503, "queue full"
+            ex.err = "queue full"
             raise errors.unavailable(
                 f"every slot for {ex.model!r} on {ex.host} is busy and its queue is full",
-                retry_after=exc.retry_after,
+                retry_after=exc.retry_after, reason=Rejection.QUEUE_FULL,
             ) from exc
         except ClientGone:
             ex.err = "client left while queued"
             raise
-        ex.queued_ms += int(ex.ticket.queued_s * 1000)
-        self.metrics.queue_wait.labels(ex.host, ex.model).observe(ex.ticket.queued_s)
+        ex.hold_slot(ticket, self.limiter.release)
+        ex.queued_ms += int(ticket.queued_s * 1000)
+        self.metrics.queue_wait.labels(ex.host, self.model_label(ex.model)).observe(ticket.queued_s)
 
-    def free_slot(self, ex: Exchange) -> None:
-        if ex.ticket is not None:
-            self.limiter.release(ex.ticket)
-            ex.ticket = None
-
-    async def move(self, ex: Exchange, why: str, gone: asyncio.Event | None, reason: str = "unhealthy",
-                   ) -> None:
-        """The leased host failed before anything reached the client: lease elsewhere (the lease
-        moves with it). Raises the client's answer (`CrossbarError`) when there is nowhere to go,
-        e.g. a pinned route whose host is down."""
+    async def _take_then_settle(self, ex: Exchange, placed: Placement, gone: asyncio.Event | None) -> None:
+        """Take the slot on the placed host, then apply the lease change. When no slot can be had
+        (queue full, client gone) nothing changes: the exchange keeps its host and the lease
+        stays where it was."""
         failed = ex.host
-        ex.excluded.add(failed)
-        self.free_slot(ex)
+        ex.host = placed.host
         try:
-            if ex.completion:
-                await self.lease(ex, exclude=ex.excluded, reason=reason)
-            else:
-                await self.host_for_read(ex, exclude=ex.excluded)
-        except errors.CrossbarError:
+            await self.take_slot(ex, gone)
+        except (errors.CrossbarError, ClientGone, HostDown):
             ex.host = failed
             raise
-        log.warning("%s on %s: moving %s/%s to %s", why, failed, ex.key.route, ex.model, ex.host)
-        await self.take_slot(ex, gone)
-        ex.decision = "retried"
+        self._settle(ex, placed)
+
+    async def move(self, ex: Exchange, why: str, gone: asyncio.Event | None,
+                   reason: Reason = Reason.UNHEALTHY) -> None:
+        """The request's host failed it before anything reached the client: place it elsewhere
+        and take a slot there; the lease follows only then. Raises the client's answer
+        (`CrossbarError`) when there is nowhere to go, e.g. a pinned route whose host is down;
+        the exchange then still names the host that failed."""
+        failed = ex.host
+        ex.excluded.add(failed)
+        ex.drop_slot()
+        placed = await self.place(ex, why=reason)
+        if ex.completion:
+            try:
+                await self._take_then_settle(ex, placed, gone)
+            except HostDown as exc:
+                raise errors.no_healthy_host([], self._poll_wait()) from exc
+        else:
+            ex.host = placed.host
+        ex.decision = Decision.RETRIED
+        log.warning("%s on %s: moved %s/%s to %s", why, failed, ex.key.route, ex.model, ex.host)
 
     def passive_mark(self, host: str, reason: str) -> None:
         if self.fleet.mark_down(host, reason):
             self.store.record_health(time.time(), host, False, [])
+        self._host_down(host)
+
+    def _host_down(self, host: str) -> None:
+        moved = self.limiter.evict(host)
+        if moved:
+            log.warning("%s is down: %d queued request(s) placed again", host, moved)
 
     def _poll_wait(self) -> int:
         return max(1, int(self.cfg.poll_interval))
 
-    # ------------------------------------------------------------ accounting
+    # ------------------------------------------------------------ the ending
+
+    def rejected(self, reason: Rejection) -> None:
+        self.metrics.rejected.labels(str(reason)).inc()
 
     def finish(self, ex: Exchange) -> None:
-        """Release everything the request held and write its row, exactly once."""
+        """The request's one ending: its row and metrics, then everything it held is given back.
+        Runs once; the release runs even when accounting raises."""
         if ex.finished:
             return
-        ex.finished = True
-        self.live.discard(ex)
-        ex.cancel_deadline()
-        self.free_slot(ex)
-        if not ex.completion:
-            return
-        if ex.host:
-            self.leases.touch(ex.key, time.time())
+        try:
+            if ex.completion:
+                self._account(ex)
+        finally:
+            ex.end()
+
+    def _account(self, ex: Exchange) -> None:
         self.store.record_request(ex.row())
         host = ex.host or ""
-        self.metrics.requests.labels(ex.key.route, host, str(ex.status or 0)).inc()
+        route = self.route_label(ex.route)
+        self.metrics.requests.labels(route, host, str(ex.status or 0)).inc()
         if ex.ttfb_ms is not None:
             self.metrics.ttfb.labels(host).observe(ex.ttfb_ms / 1000)
         u = ex.usage
         if u is None:
             return
-        self.estimator.learn(ex.model, ex.prompt_bytes, u.prompt_tokens)
+        self.estimator.learn(host, ex.model, ex.path, ex.prompt_bytes, u.prompt_tokens)
+        if u.dropped:
+            log.warning("%s reported %d usage figure(s) out of range; stored as unknown", host, u.dropped)
+            self.metrics.usage_dropped.labels(host).inc(u.dropped)
         for kind, value in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens),
                             ("completion", u.completion_tokens)):
             if value:
-                self.metrics.tokens.labels(ex.key.route, host, kind).inc(value)
+                self.metrics.tokens.labels(route, host, kind).inc(value)
         if u.tokens_per_second:
-            self.metrics.generation_tps.labels(host, ex.model).observe(u.tokens_per_second)
+            self.metrics.generation_tps.labels(host, self.model_label(ex.model)).observe(u.tokens_per_second)
 
-    # ------------------------------------------------------------ poller callbacks
+    def route_label(self, route: RouteConf) -> str:
+        """A route made from a template is labelled by its template: labels come from the
+        config, never from a name a client chose."""
+        if route.name in self.cfg.routes:
+            return route.name
+        return next((name for name, conf in self.cfg.routes.items()
+                     if conf.is_template and dataclasses.replace(route, name=name) == conf), OTHER)
+
+    def model_label(self, model: str) -> str:
+        return model if model in self._configured_models else OTHER
+
+    # ------------------------------------------------------------ lease events, poller callbacks
+
+    def _record_event(self, event: LeaseEvent) -> None:
+        k = event.key
+        self.store.record_event(event.ts, k.route, k.fp, k.model, event.from_host, event.to_host,
+                                str(event.reason))
 
     def _on_poll(self, host: str, res: PollResult, changed: bool) -> None:
-        self.store.record_health(time.time(), host, self.fleet.healthy(host), sorted(res.loaded))
+        healthy = self.fleet.healthy(host)
+        self.store.record_health(time.time(), host, healthy, sorted(res.loaded))
+        if changed and not healthy:
+            self._host_down(host)
 
     def _on_poll_round(self) -> None:
         self.limiter.refresh()
@@ -287,12 +358,38 @@ class Router:
 
     # ------------------------------------------------------------ live views
 
+    def in_flight(self, host: str, model: str) -> int:
+        return self.limiter.in_flight(host, self.fleet.slot_key(host, model))
+
+    def queued(self, host: str, model: str) -> int:
+        return self.limiter.queued(host, self.fleet.slot_key(host, model))
+
     def _health_rows(self) -> Iterable[tuple[str, bool]]:
         return ((name, self.fleet.healthy(name)) for name in self.cfg.hosts)
 
     def _slot_rows(self) -> Iterable[SlotRow]:
         for name, conf in self.cfg.hosts.items():
             for model in conf.models:
-                busy = self.limiter.in_flight(name, model)
+                busy = self.in_flight(name, model)
                 yield (name, model, self.fleet.free_slots(name, model, busy), busy,
-                       self.limiter.queued(name, model), self.fleet.capacity(name, model))
+                       self.queued(name, model), self.fleet.capacity(name, self.fleet.slot_key(name, model)))
+
+
+class Lazy[T](Mapping[str, T]):
+    """A mapping over `keys` whose values are computed on first read."""
+
+    def __init__(self, keys: tuple[str, ...], make: Callable[[str], T]):
+        self._keys, self._make, self._got = keys, make, dict[str, T]()
+
+    def __getitem__(self, key: str) -> T:
+        if key not in self._got:
+            if key not in self._keys:
+                raise KeyError(key)
+            self._got[key] = self._make(key)
+        return self._got[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

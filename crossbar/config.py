@@ -25,6 +25,8 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+from crossbar.yieldpolicy import DEFAULT_FACTOR as DEFAULT_YIELD_FACTOR
+
 MIB = 1024 * 1024
 
 
@@ -78,6 +80,11 @@ class HostConf:
         return model in self.models
 
 
+# Request headers whose value names the client's session (OpenCode sends both), in priority order.
+DEFAULT_SESSION_HEADERS = ("x-session-affinity", "x-session-id")
+MAX_SESSION_HEADERS = 8
+
+
 @dataclass(frozen=True, slots=True)
 class RouteConf:
     """One route (or route template, when the name has a `*`) from `[routes.<name>]`."""
@@ -90,6 +97,8 @@ class RouteConf:
     affinity: str = "conversation"  # "conversation" | "route"
     queue: bool = True
     peers: tuple[str, ...] = ()
+    yield_factor: float | None = None  # None: the top-level `yield_factor`
+    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS  # lower case; () turns sessions off
 
     @property
     def is_template(self) -> bool:
@@ -117,11 +126,19 @@ class Config:
     first_byte_timeout: float = 900.0
     drain_timeout: float = 600.0
     mitmweb_keep_flows: int = 500
+    yield_factor: float = DEFAULT_YIELD_FACTOR  # 0: a busy host's turns never move
+    admin_token: str = ""  # "" → no bearer token required
+    admin_peers: tuple[str, ...] = ()  # () → any caller (identity permitting)
+    admin_names: tuple[str, ...] = ()  # host names (besides the listen addresses) the admin API answers to
+    head_timeout: float = 10.0  # a request head must be complete this long after it began
+    idle_timeout: float = 60.0  # a kept-alive client connection may idle this long between requests
+    max_head: int = 64 * 1024  # request and response heads (request line / status line + headers)
+    max_connections_per_peer: int = 256
 
 
 # Features parsed and validated now but refused by `check_supported` until they work.
 # Later work removes a name here once its feature is implemented.
-NOT_YET_SUPPORTED: set[str] = set()
+NOT_YET_SUPPORTED: set[str] = {"yield_factor"}
 
 IDENTITIES = ("off", "tailscale", "header")
 AFFINITIES = ("conversation", "route")
@@ -133,13 +150,19 @@ _TOP_KEYS = frozenset(
     {
         "listen", "db", "poll_interval", "poll_timeout", "lease_idle", "queue_max", "retention",
         "max_body", "allow_any_address", "identity", "admin_listen", "connect_timeout",
-        "first_byte_timeout", "drain_timeout", "mitmweb_keep_flows", "hosts", "routes",
+        "first_byte_timeout", "drain_timeout", "mitmweb_keep_flows", "yield_factor", "hosts", "routes",
+        "admin_token", "admin_peers", "admin_names", "head_timeout", "idle_timeout", "max_head",
+        "max_connections_per_peer",
     }
 )  # fmt: skip
 _HOST_KEYS = frozenset({"base_url", "weight", "models", "wake"})
 _MODEL_KEYS = frozenset({"parallel", "ctx"})
 _WAKE_KEYS = frozenset({"mac", "broadcast", "wait"})
-_ROUTE_KEYS = frozenset({"hosts", "default_model", "pin", "listen", "affinity", "queue", "peers"})
+_ROUTE_KEYS = frozenset(
+    {"hosts", "default_model", "pin", "listen", "affinity", "queue", "peers", "yield_factor",
+     "session_headers"}
+)
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")  # an HTTP field name (token)
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -247,6 +270,15 @@ def _positive_number(value: object, key: str) -> float:
         raise _expected(key, "number", value)
     if not (math.isfinite(value) and value > 0):
         raise _fail(key, f"must be a number > 0, got {value}")
+    return float(value)
+
+
+def _yield_factor(value: object, key: str) -> float:
+    """0 turns yielding off; below 1 a turn would move to wait longer, so it is refused."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _expected(key, "number", value)
+    if not (math.isfinite(value) and (value == 0 or value >= 1)):
+        raise _fail(key, f"must be 0 (off) or a number >= 1, got {value}")
     return float(value)
 
 
@@ -362,27 +394,49 @@ def _canonical_host(host: str, text: str, key: str) -> str:
         return host.lower()
 
 
-def _is_any(host: str) -> bool:
-    if host == "":
-        return True
+def _is_unspecified_ip(text: str) -> bool:
     try:
-        return ipaddress.ip_address(host).is_unspecified
+        ip = ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:0.0.0.0 binds every IPv4 address too
+    return ip.is_unspecified or bool(mapped and mapped.is_unspecified)
 
 
-def parse_address(value: object, key: str, allow_any: bool) -> Address:
+def _is_any(host: str, resolve: Callable[[str], list[str]]) -> bool:
+    """Every address: the empty host, 0.0.0.0, ::, ::ffff:0.0.0.0, or a name resolving to one."""
+    if host == "" or _is_unspecified_ip(host):
+        return True
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+        return False
+    except ValueError:
+        pass
+    return any(_is_unspecified_ip(ip) for ip in resolve(host))
+
+
+def resolve_host(host: str) -> list[str]:
+    """The addresses a listen host name resolves to ([] when it does not resolve: binding will
+    report that)."""
+    try:
+        return [str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)]
+    except (OSError, UnicodeError):
+        return []
+
+
+def parse_address(value: object, key: str, allow_any: bool,
+                  resolve: Callable[[str], list[str]] | None = None) -> Address:
     """ "host:port" or "[v6]:port" (port 0-65535) → Address.
 
-    An address on every interface (0.0.0.0, ::, or an empty host) is refused unless
-    `allow_any` is true.
+    An address on every interface (0.0.0.0, ::, ::ffff:0.0.0.0, an empty host, or a name that
+    resolves to one of those) is refused unless `allow_any` is true.
     """
     text = _str(value, key)
     host_text, port_text = _split_host_port(text.strip(), key)
     if not _PORT.fullmatch(port_text) or int(port_text) > 65535:
         raise _fail(key, f"bad port in address {text!r} (0-65535)")
     host = _canonical_host(host_text, text, key)
-    if not allow_any and _is_any(host):
+    if not allow_any and _is_any(host, resolve or resolve_host):
         raise _fail(
             key,
             f"{text!r} listens on every address; bind a specific (e.g. tailnet) address, "
@@ -561,6 +615,21 @@ def _route_peers(value: object, key: str, ctx: _RouteContext) -> tuple[str, ...]
     return _str_list(value, key)
 
 
+def _session_headers(value: object, key: str) -> tuple[str, ...]:
+    """Header names, matched case-insensitively; an empty array turns session keys off."""
+    if isinstance(value, list | tuple) and not value:
+        return ()
+    names = tuple(name.lower() for name in _str_list(value, key))
+    if len(names) > MAX_SESSION_HEADERS:
+        raise _fail(key, f"at most {MAX_SESSION_HEADERS} header names")
+    for name in names:
+        if not _HEADER_NAME.fullmatch(name):
+            raise _fail(key, f"{name[:70]!r} is not an HTTP header name")
+    if len(set(names)) < len(names):
+        raise _fail(key, "a header is listed twice")
+    return names
+
+
 def _check_route_name(name: str, key: str) -> None:
     if name in RESERVED_ROUTE_NAMES:
         raise _fail(key, f"{name!r} is reserved (it is one of crossbar's own paths)")
@@ -583,8 +652,12 @@ def _parse_route(name: str, value: object, ctx: _RouteContext) -> RouteConf:
         "affinity": lambda v, k: _choice(v, k, AFFINITIES),
         "queue": _bool,
         "peers": lambda v, k: _route_peers(v, k, ctx),
+        "yield_factor": _yield_factor,
+        "session_headers": _session_headers,
     }
     kwargs = {k: parse(table[k], _key(key, k)) for k, parse in parsers.items() if k in table}
+    if kwargs.get("affinity") == "route" and kwargs.get("session_headers"):
+        raise _fail(_key(key, "session_headers"), 'has no effect with affinity = "route"')
     return RouteConf(name=name, hosts=hosts, **kwargs)
 
 
@@ -609,7 +682,38 @@ _TOP_SCALARS: dict[str, Callable[[object, str], Any]] = {
     "first_byte_timeout": _positive_duration,
     "drain_timeout": _positive_duration,
     "mitmweb_keep_flows": lambda v, k: _int(v, k, 0),
+    "yield_factor": _yield_factor,
+    "admin_names": lambda v, k: tuple(_host_name(n, k) for n in _str_list(v, k)),
+    "head_timeout": _positive_duration,
+    "idle_timeout": _positive_duration,
+    "max_head": lambda v, k: _size_at_least(v, k, 4096),
+    "max_connections_per_peer": lambda v, k: _int(v, k, 1),
 }
+
+ADMIN_TOKEN_MIN = 16
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # what a bearer token may hold: visible ASCII
+
+
+def _admin_token(value: object, key: str) -> str:
+    token = _str(value, key)
+    if not _TOKEN.fullmatch(token) or len(token) < ADMIN_TOKEN_MIN:
+        raise _fail(key, f"must be at least {ADMIN_TOKEN_MIN} visible ASCII characters (e.g. the output "
+                         "of `openssl rand -hex 24`)")
+    return token
+
+
+def _host_name(value: str, key: str) -> str:
+    name = value.strip().rstrip(".").lower()
+    if not _NET_HOST.fullmatch(name):
+        raise _fail(key, f"not a host name: {value!r}")
+    return name
+
+
+def _size_at_least(value: object, key: str, minimum: int) -> int:
+    size = parse_size(value, key)
+    if size < minimum:
+        raise _fail(key, f"must be at least {minimum} bytes, got {value!r}")
+    return size
 
 
 def parse_config(data: Mapping[str, Any]) -> Config:
@@ -627,6 +731,12 @@ def parse_config(data: Mapping[str, Any]) -> Config:
         admin_listen = parse_address(data["admin_listen"], "admin_listen", allow_any)
         _claim(admin_listen, "admin_listen", ctx)
     scalars = {k: parse(data[k], k) for k, parse in _TOP_SCALARS.items() if k in data}
+    if "admin_token" in data:
+        scalars["admin_token"] = _admin_token(data["admin_token"], "admin_token")
+    if "admin_peers" in data:
+        if identity == "off":
+            raise _fail("admin_peers", 'needs identity = "tailscale" or "header"')
+        scalars["admin_peers"] = _str_list(data["admin_peers"], "admin_peers")
     ctx.hosts = _parse_hosts(_required(data, "", "hosts"))
     routes = _parse_routes(_required(data, "", "routes"), ctx)
     return Config(
@@ -641,6 +751,8 @@ def _features_in_use(cfg: Config) -> Iterator[tuple[str, str]]:
         yield "identity", "identity"
     if cfg.admin_listen is not None:
         yield "admin_listen", "admin_listen"
+    if cfg.yield_factor != DEFAULT_YIELD_FACTOR:
+        yield "yield_factor", "yield_factor"
     for host in cfg.hosts.values():
         if host.wake is not None:
             yield "wake", _key("hosts", host.name, "wake")
@@ -654,6 +766,8 @@ def _features_in_use(cfg: Config) -> Iterator[tuple[str, str]]:
             yield "queue", _key(key, "queue")
         if route.peers:
             yield "peers", _key(key, "peers")
+        if route.yield_factor is not None:
+            yield "yield_factor", _key(key, "yield_factor")
 
 
 def check_supported(cfg: Config) -> None:

@@ -79,10 +79,10 @@ BODY = """
 <th class="num">Queued</th></tr></thead><tbody></tbody></table></section>
 <div class="grid">
 <section><h2>Leases</h2><table id="leases"><thead><tr><th>Route</th><th>Model</th><th>Host</th>
-<th>Fingerprint</th><th>State</th><th class="num">Last used</th></tr></thead><tbody></tbody></table>
+<th>Keyed by</th><th>Key</th><th>State</th><th class="num">Last used</th></tr></thead><tbody></tbody></table>
 </section>
 <section><h2>Recent lease moves</h2><table id="events"><thead><tr><th class="num">When</th>
-<th>Route</th><th>Model</th><th>Fingerprint</th><th>From → to</th><th>Reason</th></tr></thead>
+<th>Route</th><th>Model</th><th>Keyed by</th><th>Key</th><th>From → to</th><th>Reason</th></tr></thead>
 <tbody></tbody></table></section>
 </div>
 """
@@ -90,6 +90,16 @@ BODY = """
 SCRIPT = """
 "use strict";
 const BASE = "/_crossbar/";
+// With admin_token set, open the page as /_crossbar/#token=<admin_token>: the fragment never
+// leaves the browser; the page keeps the token for this tab and sends it as a bearer token.
+const TOKEN = (() => {
+  const m = /(?:^#|&)token=([^&]*)/.exec(location.hash);
+  if (m) {
+    sessionStorage.setItem("crossbar-token", decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  return sessionStorage.getItem("crossbar-token") || "";
+})();
 const SOURCES = {hosts: "hosts", routes: "routes", usage: "usage?by=route&since=24h",
                  events: "events?limit=20"};
 
@@ -100,7 +110,12 @@ function el(tag, attrs, ...kids) {
   return node;
 }
 const num = v => (typeof v === "number" ? v : 0).toLocaleString("en-US");
-const short = fp => (fp ? fp.slice(0, 10) : "—");
+// a session key is "s:" + a hash of the session id; a fingerprint is a bare hash; "" is the route's
+const short = fp => (fp ? fp.replace(/^s:/, "").slice(0, 10) : "—");
+const KEY_KINDS = {session: "the session the client named in a header",
+                   fingerprint: "the conversation's first system and user message",
+                   route: "one lease for the whole route"};
+const keyed = (kind, fp) => el("td", {title: KEY_KINDS[kind] || ""}, kind || (fp ? "fingerprint" : "route"));
 function ago(iso) {
   const t = Date.parse(iso || "");
   if (Number.isNaN(t)) return "—";
@@ -152,11 +167,11 @@ function renderLeases(routes) {
   leases.sort((a, b) => (b.last_used || "").localeCompare(a.last_used || ""));
   const rows = leases.slice(0, 200).map(l => el("tr", {"data-route": l.route, "data-fp": l.fp},
     el("td", {}, l.route), el("td", {}, l.model || "—"), el("td", {}, l.host),
-    el("td", {}, el("code", {title: l.fp}, short(l.fp))),
+    keyed(l.key, l.fp), el("td", {}, el("code", {title: l.fp}, short(l.fp))),
     el("td", {}, l.state + (routes[l.route] && routes[l.route].pinned ? " (route pinned)" : "")),
     el("td", {class: "num", title: l.last_used}, ago(l.last_used))));
-  fill("leases", rows, 6, "no live leases");
-  return leases.length;
+  fill("leases", rows, 7, "no live leases");
+  return Object.values(routes).reduce((n, r) => n + (r.lease_count ?? (r.leases || []).length), 0);
 }
 function renderUsage(usage) {
   const rows = usage.map(u => el("tr", {"data-usage": u.key},
@@ -171,9 +186,9 @@ function renderUsage(usage) {
 function renderEvents(events) {
   const rows = events.map(e => el("tr", {"data-event": e.reason},
     el("td", {class: "num", title: e.ts}, ago(e.ts)), el("td", {}, e.route), el("td", {}, e.model || "—"),
-    el("td", {}, el("code", {title: e.fp}, short(e.fp))),
+    keyed(e.key, e.fp), el("td", {}, el("code", {title: e.fp}, short(e.fp))),
     el("td", {}, (e.from || "—") + " → " + (e.to || "—")), el("td", {}, e.reason)));
-  fill("events", rows, 6, "no lease moves yet");
+  fill("events", rows, 7, "no lease moves yet");
 }
 function card(value, label) { return el("div", {class: "card"}, el("b", {}, value), el("span", {}, label)); }
 function renderCards(d) {
@@ -196,7 +211,10 @@ function renderCards(d) {
 }
 
 async function get(path) {
-  const resp = await fetch(BASE + path, {cache: "no-store", headers: {Accept: "application/json"}});
+  const headers = {Accept: "application/json"};
+  if (TOKEN) headers.Authorization = "Bearer " + TOKEN;
+  const resp = await fetch(BASE + path, {cache: "no-store", headers});
+  if (resp.status === 401) throw new Error("open this page as " + BASE + "#token=<admin_token>");
   if (!resp.ok) throw new Error(path.split("?")[0] + ": HTTP " + resp.status);
   return resp.json();
 }

@@ -1,16 +1,26 @@
-"""One proxied request's bookkeeping, from routing to its accounting row. Never holds a body."""
+"""One proxied request, from routing to its accounting row. Never holds a body.
+
+The exchange owns what the request holds while it runs (a slot ticket, its place in the live set,
+the hold on its conversation's lease, the first-byte deadline) and gives it all back in `end()`,
+which runs exactly once whatever happened (answer, error, client gone, a hook that raised).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from crossbar.config import RouteConf
+from crossbar.decisions import Decision
 from crossbar.lease import Key
 from crossbar.limiter import Ticket
 from crossbar.tap import SSETap, Usage
+
+log = logging.getLogger("crossbar")
 
 
 @dataclass(eq=False)
@@ -25,10 +35,10 @@ class Exchange:
     started: float = field(default_factory=time.time)  # wall clock, for the row
     t0: float = field(default_factory=time.monotonic)
     host: str = ""
-    decision: str = ""
+    decision: Decision | None = None
     ticket: Ticket | None = None
     queued_ms: int = 0
-    ttfb_ms: int | None = None
+    ttfb_ms: int | None = None  # when the client got (or would get) its first byte
     tap: SSETap | None = None
     usage: Usage | None = None
     status: int | None = None
@@ -40,15 +50,56 @@ class Exchange:
     forwarded: bool = False  # rewritten to a host (else mitmproxy's errors are not the host's)
     finished: bool = False
     deadline: asyncio.TimerHandle | None = None  # first-byte timeout
+    _release_ticket: Callable[[Ticket], None] | None = field(default=None, repr=False)
+    _cleanups: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    @property
+    def model(self) -> str:
+        return self.key.model
+
+    # ---- resources ----------------------------------------------------------------------------
+
+    def on_end(self, cleanup: Callable[[], None]) -> None:
+        """Run `cleanup` when the exchange ends (last registered, first run)."""
+        self._cleanups.append(cleanup)
+
+    def hold_slot(self, ticket: Ticket, release: Callable[[Ticket], None]) -> None:
+        self.drop_slot()
+        self.ticket, self._release_ticket = ticket, release
+
+    def drop_slot(self) -> None:
+        ticket, release = self.ticket, self._release_ticket
+        self.ticket = self._release_ticket = None
+        if ticket is not None and release is not None:
+            release(ticket)
+
+    def arm_deadline(self, delay: float, overdue: Callable[[str], None]) -> None:
+        """Call `overdue(host)` unless a first byte arrives within `delay`; re-arming replaces it,
+        so the timer always names the host the request was last sent to."""
+        self.cancel_deadline()
+        self.deadline = asyncio.get_running_loop().call_later(delay, overdue, self.host)
 
     def cancel_deadline(self) -> None:
         if self.deadline is not None:
             self.deadline.cancel()
             self.deadline = None
 
-    @property
-    def model(self) -> str:
-        return self.key.model
+    def end(self) -> bool:
+        """Give back everything the request holds; True the first time, False after."""
+        if self.finished:
+            return False
+        self.finished = True
+        self.cancel_deadline()
+        steps = [self.drop_slot, *reversed(self._cleanups)]
+        self._cleanups.clear()
+        for step in steps:
+            try:
+                step()
+            except Exception:  # one failing step must not keep the others from running
+                log.exception("crossbar: releasing a request's resources failed")
+        return True
+
+    # ---- timing and the row -------------------------------------------------------------------
 
     def elapsed_ms(self) -> int:
         return int((time.monotonic() - self.t0) * 1000)
@@ -58,7 +109,7 @@ class Exchange:
             self.ttfb_ms = self.elapsed_ms()
 
     def row(self) -> dict[str, Any]:
-        """The `requests` row (PLAN §7a). Absent token figures stay None (NULL), never 0."""
+        """The `requests` row. Absent token figures stay None (NULL), never 0."""
         u = self.usage or Usage()
         return {
             "route": self.key.route,
@@ -75,5 +126,5 @@ class Exchange:
             "cached_tokens": u.cached_tokens,
             "completion_tokens": u.completion_tokens,
             "err": self.err,
-            "decision": self.decision or None,
+            "decision": str(self.decision) if self.decision else None,
         }

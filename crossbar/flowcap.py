@@ -1,5 +1,5 @@
-"""Keep mitmweb's memory bounded: it stores every flow and has no cap of its own (mitmproxy
-#4129). Under mitmdump there is no `view` addon and this does nothing."""
+"""Keep mitmweb's memory bounded: it stores every flow and has no cap of its own. Under mitmdump
+there is no `view` addon and this does nothing."""
 
 from __future__ import annotations
 

@@ -1,15 +1,25 @@
 """Context guard: will this prompt fit the leased host's per-slot context?
 
 The prompt size is estimated from the body: bytes/4 × 1.2 until the upstream's own counts
-(`usage.prompt_tokens` of earlier replies for the same model) teach the model's real tokens per
-byte. Tokenizers differ a lot: the lab's tiny models spend one token per byte, so a fixed bytes/4
-would under-estimate them fourfold; the learned ratio is measured on the model actually served.
+(`usage.prompt_tokens` of earlier chat/completion replies of the same host and model) teach the
+real tokens per byte. Tokenizers differ a lot: the lab's tiny models spend one token per byte, so a
+fixed bytes/4 would under-estimate them fourfold; the learned ratio is measured on what is served.
+
+An upstream is not trusted, so learning is bounded: only chat and completion replies teach (an
+embeddings call with token arrays says nothing about text), a ratio outside a sane band is never
+believed, a sample far from what was learned is ignored (unless several in a row agree), and a
+ratio not confirmed for `forget_after` is forgotten. The learned estimate may move a prompt to a
+host with a larger context, but it alone never refuses one: the caller refuses only when the plain
+byte estimate does not fit either (otherwise the host decides, answering in the same shape).
 A context that is unknown (0) never blocks.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from crossbar.errors import CrossbarError
 
@@ -19,29 +29,78 @@ LEARNED_MARGIN = 1.0  # a ratio measured on the model itself needs none: refusin
 # server would accept is worse than letting the server refuse one (in the same error shape)
 LEARN_MIN_BYTES = 256  # short prompts are dominated by the chat template's fixed overhead
 LEARN_WEIGHT = 0.3
+RATIO_BAND = (0.02, 1.5)  # tokens per byte any real tokenizer stays within (1.0: byte-level models)
+OUTLIER_FACTOR = 3.0  # a sample this many times off the learned ratio is an outlier
+OUTLIERS_TO_RESEED = 3  # ... unless this many in a row agree: then the model really changed
+FORGET_AFTER = 3600.0  # seconds without a believed sample before a learned ratio is dropped
+LEARN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+@dataclass(slots=True)
+class _Learned:
+    ratio: float  # tokens per byte
+    at: float  # when a sample last confirmed it
+    outliers: list[float]  # consecutive outlying samples
 
 
 class TokenEstimator:
-    def __init__(self, bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN, margin: float = MARGIN):
-        self.default_ratio = 1.0 / bytes_per_token  # tokens per byte
-        self.margin = margin
-        self.ratio: dict[str, float] = {}
+    """Tokens per byte, learned per (host, model)."""
 
-    def estimate(self, model: str, prompt_bytes: int) -> int:
+    def __init__(self, bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN, margin: float = MARGIN,
+                 clock: Callable[[], float] = time.monotonic, forget_after: float = FORGET_AFTER):
+        self.default_ratio = 1.0 / bytes_per_token
+        self.margin = margin
+        self.clock = clock
+        self.forget_after = forget_after
+        self._learned: dict[tuple[str, str], _Learned] = {}
+
+    def plain(self, prompt_bytes: int) -> int:
+        """The blind estimate: bytes/4 with a margin."""
         if prompt_bytes <= 0:
             return 0
-        learned = self.ratio.get(model)
+        return math.ceil(round(prompt_bytes * self.default_ratio * self.margin, 6))
+
+    def ratio(self, host: str, model: str) -> float | None:
+        """The learned tokens per byte of (host, model), or None (never learned, or forgotten)."""
+        entry = self._learned.get((host, model))
+        if entry is None:
+            return None
+        if self.clock() - entry.at > self.forget_after:
+            del self._learned[(host, model)]
+            return None
+        return entry.ratio
+
+    def estimate(self, host: str, model: str, prompt_bytes: int) -> int:
+        if prompt_bytes <= 0:
+            return 0
+        learned = self.ratio(host, model)
         if learned is None:
-            return math.ceil(round(prompt_bytes * self.default_ratio * self.margin, 6))
+            return self.plain(prompt_bytes)
         return math.ceil(round(prompt_bytes * learned * LEARNED_MARGIN, 6))
 
-    def learn(self, model: str, prompt_bytes: int, prompt_tokens: int | None) -> None:
+    def learn(self, host: str, model: str, path: str, prompt_bytes: int, prompt_tokens: int | None) -> None:
         """Fold in one reply's real count (whole prompt, cached part included)."""
-        if prompt_tokens is None or prompt_tokens <= 0 or prompt_bytes < LEARN_MIN_BYTES:
+        if path not in LEARN_PATHS or prompt_tokens is None or prompt_bytes < LEARN_MIN_BYTES:
             return
         seen = prompt_tokens / prompt_bytes
-        old = self.ratio.get(model)
-        self.ratio[model] = seen if old is None else old + LEARN_WEIGHT * (seen - old)
+        if not RATIO_BAND[0] <= seen <= RATIO_BAND[1]:
+            return
+        now = self.clock()
+        old = self.ratio(host, model)
+        if old is None:
+            self._learned[(host, model)] = _Learned(seen, now, [])
+            return
+        entry = self._learned[(host, model)]
+        if max(seen / old, old / seen) > OUTLIER_FACTOR:
+            entry.outliers.append(seen)
+            if len(entry.outliers) >= OUTLIERS_TO_RESEED and _agree(entry.outliers):
+                self._learned[(host, model)] = _Learned(sum(entry.outliers) / len(entry.outliers), now, [])
+            return
+        entry.ratio, entry.at, entry.outliers = old + LEARN_WEIGHT * (seen - old), now, []
+
+
+def _agree(samples: list[float]) -> bool:
+    return max(samples) / min(samples) <= OUTLIER_FACTOR
 
 
 def fits(tokens: int, n_ctx: int) -> bool:

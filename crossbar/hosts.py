@@ -66,6 +66,9 @@ class HostState:
     last_err: str = ""
     good_polls: int = 0
     marked_at: float = 0.0  # last passive mark: a poll that started before it proves nothing
+    # crossbar's own requests that may have been running when `/slots` was read, per slot key:
+    # a slot they held then is free again once they end
+    ours_seen: dict[str, int] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- parsing (pure)
@@ -143,21 +146,42 @@ class Fleet:
             return model in st.loaded
         return self.conf[host].serves(model)
 
+    def knows(self, host: str, model: str) -> bool:
+        """The host's config lists the model, or the host reports it (`/v1/models`)."""
+        return self.conf[host].serves(model) or model in self.state[host].loaded
+
+    def slot_key(self, host: str, model: str) -> str:
+        """The model under which the host's slots are counted. A llama-server router runs a
+        process per model; a single server shares its slots across every model name it is sent,
+        so its slots are counted under "" whatever the body names."""
+        return model if self.state[host].router else ""
+
     def capacity(self, host: str, model: str) -> int:
-        """Slots crossbar lets run at once: `parallel` from config, else learned, else 1."""
-        mconf = self.conf[host].models.get(model)
-        if mconf is not None and mconf.parallel:
-            return mconf.parallel
-        st = self.state[host]
-        learned = st.models.get(model, ModelCtx()).slots or (0 if st.router else st.slots)
-        return learned or 1
+        """Slots crossbar lets run at once: `parallel` from config, else learned, else 1.
+        `model` "" is a single server's shared slots (its largest configured `parallel`)."""
+        conf, st = self.conf[host], self.state[host]
+        if model:
+            mconf = conf.models.get(model)
+            parallel = mconf.parallel if mconf is not None else None
+        else:
+            parallel = max((m.parallel for m in conf.models.values() if m.parallel), default=None)
+        if parallel:
+            return parallel
+        learned = st.models.get(model, ModelCtx()).slots if model else 0
+        return learned or (0 if st.router else st.slots) or 1
 
     def free_slots(self, host: str, model: str, in_flight: int) -> int:
-        """Free slots from the host's own `/slots` when known, never more than our own view."""
+        """Free slots from the host's own `/slots` when known, never more than our own view.
+        A slot the reading saw busy with one of crossbar's own requests that has ended since is
+        counted free again."""
         st = self.state[host]
-        ours = self.capacity(host, model) - in_flight
-        reported = st.free_slots.get(model if st.router else "")
-        return max(0, ours if reported is None else min(reported, ours))
+        key = self.slot_key(host, model)
+        ours = self.capacity(host, key) - in_flight
+        reported = st.free_slots.get(key)
+        if reported is None:
+            return max(0, ours)
+        ended_since = max(0, st.ours_seen.get(key, 0) - in_flight)
+        return max(0, min(reported + ended_since, ours))
 
     def slot_ctx(self, host: str, model: str) -> int:
         """Per-slot context for the model on this host (0 = unknown)."""
@@ -184,10 +208,12 @@ class Fleet:
             log.warning("host %s marked unhealthy: %s", host, reason)
         return was
 
-    def apply(self, host: str, res: PollResult, started: float | None = None) -> bool:
+    def apply(self, host: str, res: PollResult, started: float | None = None,
+              ours_seen: dict[str, int] | None = None) -> bool:
         """Apply one poll (begun at `started`); returns True when the host's health changed.
         A good poll that began before the host's last passive mark is ignored: it may have seen
-        the host just before it failed."""
+        the host just before it failed. `ours_seen`: crossbar's requests per slot key that may
+        have been running while the poll looked."""
         st = self.state[host]
         if res.ok and started is not None and started < st.marked_at:
             return False
@@ -199,6 +225,7 @@ class Fleet:
             st.router, st.loaded = res.router, res.loaded
             st.n_ctx, st.slots = res.n_ctx, res.slots
             st.models, st.free_slots = res.models, res.free_slots
+            st.ours_seen = dict(ours_seen or {})
             st.good_polls += 1
             if not st.polled or st.good_polls >= GOOD_POLLS_TO_RECOVER:
                 st.healthy = True
@@ -278,8 +305,10 @@ class Poller:
         timeout: float,
         on_result: Callable[[str, PollResult, bool], None] | None = None,
         on_round: Callable[[], None] | None = None,
+        usage: Callable[[str], dict[str, tuple[int, int]]] | None = None,
     ):
         self.fleet = fleet
+        self.usage = usage  # per host: {slot key: (in flight, granted so far)} of crossbar's own
         self.interval = interval
         self.timeout = timeout
         self.on_result = on_result
@@ -313,9 +342,10 @@ class Poller:
         names: Sequence[str] = list(self.fleet.conf)
         session = self._client()
         started = self.fleet.clock()
+        before = {n: self._usage(n) for n in names}
         results = await asyncio.gather(*(poll_host(session, self.fleet.conf[n]) for n in names))
         for name, res in zip(names, results, strict=True):
-            self._apply(name, res, started)
+            self._apply(name, res, started, before[name])
         self.rounds += 1
         if self.on_round:
             self.on_round()
@@ -323,10 +353,21 @@ class Poller:
     async def poll_one(self, name: str) -> None:
         """Poll one host now (a host being woken up), outside the regular rounds."""
         started = self.fleet.clock()
-        self._apply(name, await poll_host(self._client(), self.fleet.conf[name]), started)
+        before = self._usage(name)
+        self._apply(name, await poll_host(self._client(), self.fleet.conf[name]), started, before)
 
-    def _apply(self, name: str, res: PollResult, started: float) -> None:
-        changed = self.fleet.apply(name, res, started)
+    def _usage(self, name: str) -> dict[str, tuple[int, int]]:
+        return self.usage(name) if self.usage else {}
+
+    def _apply(self, name: str, res: PollResult, started: float, before: dict[str, tuple[int, int]]) -> None:
+        """`before`: crossbar's usage when the poll began. Every request that was running then or
+        was granted a slot since may have been seen busy by the reading."""
+        after = self._usage(name)
+        seen = {key: busy + after.get(key, (0, granted))[1] - granted
+                for key, (busy, granted) in before.items()}
+        for key, (_, granted) in after.items():
+            seen.setdefault(key, granted)  # a slot key first used during the poll
+        changed = self.fleet.apply(name, res, started, seen)
         if self.on_result:
             self.on_result(name, res, changed)
 

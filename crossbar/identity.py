@@ -1,8 +1,9 @@
 """Who is calling: gates routes that list `peers`.
 
 - `tailscale`: the caller's address is resolved with `tailscale whois --json ADDR`, cached
-  briefly. A caller matches a peer by its node's short name, full DNS name, OS hostname or the
-  owner's login name. A missing or failing `tailscale` is a start-up error, and at request time a
+  briefly. A caller matches a peer by its node's MagicDNS name (short or full), one of its tags,
+  or its owner's login name — names the coordination server assigns, never the hostname a node
+  reports about itself. A missing or failing `tailscale` is a start-up error, and at request time a
   503 — never an open door.
 - `header`: trusts `X-Crossbar-Peer` (for tests; anyone can send it).
 """
@@ -26,23 +27,25 @@ class IdentityError(Exception):
 
 
 def names_from_whois(body: Any) -> frozenset[str]:
-    """Every name a `tailscale whois --json` answer gives the caller, lower-cased."""
+    """The names a `tailscale whois --json` answer gives the caller, lower-cased: only what the
+    coordination server assigns — the node's MagicDNS name (full and short), its tags (`tag:ci`)
+    and, for a node owned by a person, the owner's login. Never the OS hostname the node reports
+    about itself (`Hostinfo.Hostname`), nor `ComputedName`, which falls back to that hostname."""
     if not isinstance(body, dict):
         return frozenset()
     names: set[str] = set()
     node = body.get("Node") if isinstance(body.get("Node"), dict) else {}
-    for key in ("ComputedName", "Name"):
-        value = node.get(key)
-        if isinstance(value, str) and value:
-            full = value.rstrip(".")
-            names.add(full)
-            names.add(full.split(".", 1)[0])
-    hostinfo = node.get("Hostinfo")
-    if isinstance(hostinfo, dict) and isinstance(hostinfo.get("Hostname"), str):
-        names.add(hostinfo["Hostname"])
+    name = node.get("Name")
+    if isinstance(name, str) and name.strip("."):
+        full = name.rstrip(".")
+        names.update({full, full.split(".", 1)[0]})
+    tags = node.get("Tags")
+    tagged = isinstance(tags, list) and bool(tags)
+    if tagged:
+        names.update(t for t in tags if isinstance(t, str) and t.startswith("tag:"))
     user = body.get("UserProfile")
-    if isinstance(user, dict) and isinstance(user.get("LoginName"), str):
-        names.add(user["LoginName"])
+    if not tagged and isinstance(user, dict) and isinstance(user.get("LoginName"), str):
+        names.add(user["LoginName"])  # a tagged node's "user" is the tagged-devices placeholder
     return frozenset(n.lower() for n in names if n)
 
 

@@ -1,59 +1,44 @@
 """The sticky lease table: which host each conversation is on, and keeping it there.
 
-A llama-server prompt cache lives in one process, so a conversation that moves host
-re-prefills its whole context. A lease therefore moves only when its host is unhealthy
-(or excluded after a failure), when it has been idle longer than `idle`, or when an
-operator pins or releases the route. A better host appearing is never a reason to move.
+A llama-server prompt cache lives in one process, so a conversation that moves host re-prefills its
+whole context. Where a request goes is decided by `crossbar.placement`; this table holds the result,
+applies the lease changes placement asks for, and tells its listeners about every change (the store
+writes them to `lease_events`, metrics count them).
 
-Memory is authoritative; every change is written through to the persister (the store),
-whose calls never block and never raise. Not thread-safe: use from one event loop.
+A conversation with a request in flight or queued is in use (`hold`/`unhold`): it never idles out,
+and its idle time counts from the end of its last request. The table is bounded: past
+`max_per_route` leases on a route, or `max_leases` in all, the least recently used lease that is not
+in use is evicted (an `evicted` event).
+
+Memory is authoritative; every change is written through to the persister (the store), whose calls
+never block and never raise. Not thread-safe: use from one event loop.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Collection, Iterable, Sequence
+import logging
+import operator
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any, Protocol
+
+from crossbar.decisions import Decision, Reason
+from crossbar.placement import Change, LeaseChange, LeaseView
+
+__all__ = ["ACTIVE", "PINNED", "Decision", "Key", "Lease", "LeaseEvent", "LeaseTable", "UnknownHost"]
+
+log = logging.getLogger("crossbar.lease")
 
 ACTIVE = "active"
 PINNED = "pinned"
 
-# reasons recorded in lease events
-NEW = "new"
-UNHEALTHY = "unhealthy"
-IDLE = "idle"
-PIN = "pin"
-RELEASE = "release"
-DRAIN = "drain"
-CONTEXT = "context"  # the context guard moved a conversation to a host where its prompt fits
+MAX_LEASES = 100_000  # in all; ~0.5 KiB each in memory
+MAX_LEASES_PER_ROUTE = 20_000
 
 
-class LeaseError(Exception):
-    """Base of the lease table's errors."""
-
-
-class PinnedDown(LeaseError):
-    """The route is pinned to a host that is not healthy (never a silent move)."""
-
-
-class NoHost(LeaseError):
-    """No usable host for the request."""
-
-
-class UnknownHost(LeaseError):
+class UnknownHost(Exception):
     """The host is not one of the route's candidates."""
-
-
-class Decision(StrEnum):
-    REUSED = "reused"
-    NEW = "new"
-    INHERITED = "inherited"
-    PINNED = "pinned"
-    MOVED = "moved:unhealthy"
-    IDLE = "moved:idle"
-    CONTEXT = "moved:context"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +58,12 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
-class Grant:
-    host: str
-    decision: Decision
-    moved_from: str | None = None
+class LeaseEvent:
+    ts: float
+    key: Key
+    from_host: str | None
+    to_host: str | None
+    reason: Reason
 
 
 class Persister(Protocol):
@@ -88,26 +75,8 @@ class Persister(Protocol):
 
     def delete_lease(self, route: str, fp: str, model: str) -> None: ...
 
-    def record_event(
-        self,
-        ts: float,
-        route: str,
-        fp: str,
-        model: str,
-        from_host: str | None,
-        to_host: str | None,
-        reason: str,
-    ) -> None: ...
 
-
-class HostView(Protocol):
-    def healthy(self, host: str) -> bool: ...
-
-    def draining(self, host: str) -> bool: ...
-
-
-# (eligible candidate names in route order, model) -> chosen host, or None
-ChooseFn = Callable[[Sequence[str], str], str | None]
+Listener = Callable[[LeaseEvent], None]
 
 
 def _is_pin_row(row: Any) -> bool:
@@ -115,108 +84,122 @@ def _is_pin_row(row: Any) -> bool:
 
 
 class LeaseTable:
-    def __init__(self, persist: Persister, hosts: HostView, choose: ChooseFn, idle: float) -> None:
+    def __init__(self, persist: Persister, idle: float, max_leases: int = MAX_LEASES,
+                 max_per_route: int = MAX_LEASES_PER_ROUTE) -> None:
         self._persist = persist
-        self._hosts = hosts
-        self._choose = choose
-        self._idle = idle
-        self._leases: dict[Key, Lease] = {}
-        self._by_route: dict[str, dict[Key, Lease]] = {}
+        self.idle = idle
+        self.max_leases = max_leases
+        self.max_per_route = max_per_route
+        self._leases: OrderedDict[Key, Lease] = OrderedDict()  # least recently used first
+        self._by_route: dict[str, OrderedDict[Key, Lease]] = {}
+        # (route, model) → how many leases each host holds; model None counts every model
+        self._hosts_of: dict[tuple[str, str | None], Counter[str]] = {}
         self._pins: dict[str, str] = {}
+        self._held: Counter[Key] = Counter()
+        # conversations whose lease idled out, and the host it was on (bounded like the table):
+        # their next turn is recorded as a move for idleness, not as a new conversation
+        self._idled: OrderedDict[Key, str] = OrderedDict()
+        self._listeners: list[Listener] = []
+        self.evicted = 0
+
+    def subscribe(self, listener: Listener) -> None:
+        """Call `listener(event)` for every lease event, in order."""
+        self._listeners.append(listener)
 
     # ---- start-up ---------------------------------------------------------------------------
 
     def load(self, rows: Iterable[Any]) -> None:
         """Replace the table with stored rows; fp == model == "" with state "pinned" is a route pin."""
-        rows = list(rows)
+        rows = sorted(rows, key=lambda row: float(row.last_used))
         self._leases.clear()
         self._by_route.clear()
+        self._hosts_of.clear()
         self._pins = {row.route: row.host for row in rows if _is_pin_row(row)}
         for row in rows:
             if not _is_pin_row(row):
-                self._load_lease(row)
-
-    def _load_lease(self, row: Any) -> None:
-        key = Key(row.route, row.fp, row.model)
-        state = PINNED if self._pins.get(row.route) == row.host else ACTIVE
-        self._put(Lease(key, row.host, state, float(row.created), float(row.last_used)))
+                key = Key(row.route, row.fp, row.model)
+                state = PINNED if self._pins.get(row.route) == row.host else ACTIVE
+                self._put(Lease(key, row.host, state, float(row.created), float(row.last_used)))
 
     # ---- the request path -------------------------------------------------------------------
 
-    def acquire(
-        self, key: Key, candidates: Sequence[str], now: float, exclude: Collection[str] = (),
-        reason: str = UNHEALTHY,
-    ) -> Grant:
-        """The host for this request; `exclude` holds hosts that just failed it (treated as unhealthy).
-        `reason` names why an existing lease that cannot stay moves (event and decision)."""
-        pin = self._pins.get(key.route)
-        if pin is not None:
-            return self._acquire_pinned(key, pin, now, exclude)
+    def view(self, key: Key, read: bool = False, own: bool = False) -> LeaseView:
+        """What placement needs to know about `key`'s conversation; `own`: the asking request is
+        one of those holding it (it does not keep its own lease from idling)."""
         lease = self._leases.get(key)
-        if lease is None:
-            host, decision = self._place(key, candidates, exclude)
-            self._create(key, host, ACTIVE, now)
-            return Grant(host, decision)
-        if now - lease.last_used > self._idle:
-            self._drop(lease, now, IDLE, None)
-            host, _ = self._place(key, candidates, exclude)
-            self._create(key, host, ACTIVE, now)
-            return Grant(host, Decision.IDLE, moved_from=lease.host)
-        if self._usable(lease.host, candidates, exclude):
-            self._use(lease, now)
-            return Grant(lease.host, Decision.REUSED)
-        host, _ = self._place(key, candidates, (*exclude, lease.host))
-        self._move(lease, host, now, reason)
-        decision = Decision.CONTEXT if reason == CONTEXT else Decision.MOVED
-        return Grant(host, decision, moved_from=lease.host)
+        parent = self._leases.get(Key(key.route, "", key.model)) if key.fp else None
+        return LeaseView(
+            pin=self._pins.get(key.route, ""),
+            host=lease.host if lease else "",
+            last_used=lease.last_used if lease else 0.0,
+            busy=self._held[key] > (1 if own else 0),
+            parent=parent.host if parent else "",
+            route_hosts=self.route_hosts(key.route, key.model) if read else (),
+            idled=self._idled.get(key, ""),
+        )
 
-    def _acquire_pinned(self, key: Key, pin: str, now: float, exclude: Collection[str]) -> Grant:
-        if pin in exclude or not self._hosts.healthy(pin):
-            raise PinnedDown(f"route {key.route!r} is pinned to {pin!r}, which is not healthy")
+    def route_hosts(self, route: str, model: str) -> tuple[str, ...]:
+        """Hosts the route's leases for `model` (any model when "") live on, most leases first."""
+        counts = self._hosts_of.get((route, model or None))
+        return tuple(host for host, _ in counts.most_common()) if counts else ()
+
+    def apply(self, key: Key, change: LeaseChange, now: float) -> None:
+        """Apply a change placement asked for."""
         lease = self._leases.get(key)
-        if lease is None:
-            self._create(key, pin, PINNED, now)
-            return Grant(pin, Decision.PINNED)
-        if lease.host != pin:
-            self._move(lease, pin, now, PIN)
-            return Grant(pin, Decision.PINNED, moved_from=lease.host)
-        lease.state = PINNED
-        self._use(lease, now)
-        return Grant(pin, Decision.PINNED)
+        match change.kind:
+            case Change.NONE:
+                return
+            case Change.USE if lease is not None:
+                if self._pins.get(key.route) == lease.host:
+                    lease.state = PINNED
+                self._use(lease, now)
+            case Change.MOVE if lease is not None:
+                state = PINNED if change.reason == Reason.PIN else ACTIVE
+                self._replace(Lease(key, change.host, state, now, now))
+                self._event(now, key, lease.host, change.host, change.reason)
+            case Change.RENEW if lease is not None:
+                self._drop(lease, now, Reason.IDLE, None)
+                self._create(key, change.host, now)
+            case _:
+                if lease is None:
+                    self._create(key, change.host, now)
+                elif lease.host != change.host:  # placed concurrently by another request
+                    self._replace(Lease(key, change.host, ACTIVE, now, now))
+                    self._event(now, key, lease.host, change.host, change.reason)
+                else:
+                    self._use(lease, now)
 
-    def _usable(self, host: str, candidates: Sequence[str], exclude: Collection[str]) -> bool:
-        """Can an existing lease stay on `host`? (A draining host keeps its leases.)"""
-        return host not in exclude and host in candidates and self._hosts.healthy(host)
+    def hold(self, key: Key) -> None:
+        """A request of this conversation is queued or in flight."""
+        self._held[key] += 1
 
-    def _open(self, host: str, candidates: Sequence[str], exclude: Collection[str]) -> bool:
-        """Can `host` take a new lease?"""
-        return self._usable(host, candidates, exclude) and not self._hosts.draining(host)
-
-    def _place(self, key: Key, candidates: Sequence[str], exclude: Collection[str]) -> tuple[str, Decision]:
-        """A host for a lease the key does not have yet; changes nothing."""
-        if key.fp:
-            parent = self._leases.get(Key(key.route, "", key.model))
-            if parent is not None and self._open(parent.host, candidates, exclude):
-                return parent.host, Decision.INHERITED
-        eligible = [h for h in candidates if self._open(h, candidates, exclude)]
-        host = self._choose(eligible, key.model) if eligible else None
-        if host is None or host not in eligible:
-            raise NoHost(f"route {key.route!r}: no usable host for model {key.model!r}")
-        return host, Decision.NEW
-
-    def touch(self, key: Key, now: float) -> None:
-        """The request finished: the conversation was used now."""
+    def unhold(self, key: Key, now: float) -> None:
+        """That request ended: the conversation was last used now."""
+        self._held[key] -= 1
+        if self._held[key] <= 0:
+            del self._held[key]
         lease = self._leases.get(key)
         if lease is not None:
             self._use(lease, now)
 
+    def in_use(self, key: Key) -> bool:
+        return self._held[key] > 0
+
     # ---- housekeeping and operator actions ----------------------------------------------------
 
     def expire_idle(self, now: float) -> int:
-        """Drop leases unused for longer than `idle` (pins never expire); returns how many."""
-        stale = [lease for lease in self._leases.values() if now - lease.last_used > self._idle]
+        """Drop leases unused for longer than `idle` and not in use (pins never expire)."""
+        stale = []
+        for lease in self._leases.values():  # least recently used first
+            if now - lease.last_used <= self.idle:
+                break
+            if not self.in_use(lease.key):
+                stale.append(lease)
         for lease in stale:
-            self._drop(lease, now, IDLE, None)
+            self._drop(lease, now, Reason.IDLE, None)
+            self._idled[lease.key] = lease.host
+            while len(self._idled) > self.max_leases:
+                self._idled.popitem(last=False)
         return len(stale)
 
     def pin(self, route: str, host: str, candidates: Sequence[str], now: float) -> None:
@@ -227,10 +210,10 @@ class LeaseTable:
         if old == host:
             return
         self._pins[route] = host
-        self._event(now, Key(route, "", ""), old, host, PIN)
+        self._event(now, Key(route, "", ""), old, host, Reason.PIN)
         for lease in self._route_leases(route):
             if lease.host != host:
-                self._drop(lease, now, PIN, host)
+                self._drop(lease, now, Reason.PIN, host)
             else:
                 lease.state = PINNED
                 self._save(lease)
@@ -243,7 +226,7 @@ class LeaseTable:
         if host is None:
             return
         self._persist.delete_lease(route, "", "")
-        self._event(now, Key(route, "", ""), host, None, RELEASE)
+        self._event(now, Key(route, "", ""), host, None, Reason.RELEASE)
         for lease in self._route_leases(route):
             lease.state = ACTIVE
             self._save(lease)
@@ -256,7 +239,7 @@ class LeaseTable:
         """Drop every lease of the route and clear its pin; returns how many leases were dropped."""
         leases = self._route_leases(route)
         for lease in leases:
-            self._drop(lease, now, RELEASE, None)
+            self._drop(lease, now, Reason.RELEASE, None)
         self.unpin(route, now)
         return len(leases)
 
@@ -264,7 +247,7 @@ class LeaseTable:
         """Record a drain event per lease on `host`; the leases stay. Returns how many."""
         on_host = [lease for lease in self._leases.values() if lease.host == host]
         for lease in on_host:
-            self._event(now, lease.key, host, None, DRAIN)
+            self._event(now, lease.key, host, None, Reason.DRAIN)
         return len(on_host)
 
     # ---- views ------------------------------------------------------------------------------
@@ -273,11 +256,28 @@ class LeaseTable:
         """Copies of every lease, sorted by (route, fp, model); pins are not leases."""
         return _sorted_copies(self._leases.values())
 
-    def leases_of(self, route: str) -> list[Lease]:
-        return _sorted_copies(self._by_route.get(route, {}).values())
+    def leases_of(self, route: str, limit: int | None = None) -> list[Lease]:
+        """Copies of the route's leases, most recently used first (at most `limit`)."""
+        leases = reversed(self._by_route.get(route, {}).values())
+        out = []
+        for lease in leases:
+            if limit is not None and len(out) >= limit:
+                break
+            out.append(_copy(lease))
+        return out
 
-    def count(self) -> int:
-        return len(self._leases)
+    def count(self, route: str | None = None) -> int:
+        if route is None:
+            return len(self._leases)
+        return len(self._by_route.get(route, ()))
+
+    def routes(self) -> list[str]:
+        """Routes that hold leases."""
+        return list(self._by_route)
+
+    def hosts_count(self, route: str) -> dict[str, int]:
+        """How many of the route's leases each host holds."""
+        return dict(self._hosts_of.get((route, None), {}))
 
     # ---- memory + write-through -----------------------------------------------------------------
 
@@ -285,33 +285,67 @@ class LeaseTable:
         return list(self._by_route.get(route, {}).values())
 
     def _put(self, lease: Lease) -> None:
-        self._leases[lease.key] = lease
-        self._by_route.setdefault(lease.key.route, {})[lease.key] = lease
+        key = lease.key
+        self._leases[key] = lease
+        self._by_route.setdefault(key.route, OrderedDict())[key] = lease
+        for model in (key.model, None):
+            self._hosts_of.setdefault((key.route, model), Counter())[lease.host] += 1
 
     def _remove(self, lease: Lease) -> None:
-        del self._leases[lease.key]
-        of_route = self._by_route[lease.key.route]
-        del of_route[lease.key]
+        key = lease.key
+        del self._leases[key]
+        of_route = self._by_route[key.route]
+        del of_route[key]
         if not of_route:
-            del self._by_route[lease.key.route]
+            del self._by_route[key.route]
+        for model in (key.model, None):
+            counts = self._hosts_of[(key.route, model)]
+            counts[lease.host] -= 1
+            if counts[lease.host] <= 0:
+                del counts[lease.host]
+            if not counts:
+                del self._hosts_of[(key.route, model)]
 
-    def _create(self, key: Key, host: str, state: str, now: float) -> None:
+    def _replace(self, lease: Lease) -> None:
+        old = self._leases.get(lease.key)
+        if old is not None:
+            self._remove(old)
+        self._put(lease)
+        self._save(lease)
+
+    def _create(self, key: Key, host: str, now: float) -> None:
+        self._idled.pop(key, None)
+        state = PINNED if self._pins.get(key.route) == host else ACTIVE
+        self._make_room(key.route, now)
         lease = Lease(key, host, state, now, now)
         self._put(lease)
         self._save(lease)
-        self._event(now, key, None, host, NEW)
+        self._event(now, key, None, host, Reason.NEW)
 
-    def _move(self, lease: Lease, host: str, now: float, reason: str) -> None:
-        moved = Lease(lease.key, host, PINNED if reason == PIN else ACTIVE, now, now)
-        self._put(moved)
-        self._save(moved)
-        self._event(now, lease.key, lease.host, host, reason)
+    def _make_room(self, route: str, now: float) -> None:
+        """Evict the least recently used idle lease of the route, then of the table, when full."""
+        if self.count(route) >= self.max_per_route:
+            self._evict(self._by_route[route].values(), now, f"route {route!r} holds {self.max_per_route}")
+        if len(self._leases) >= self.max_leases:
+            self._evict(self._leases.values(), now, f"the table holds {self.max_leases}")
+
+    def _evict(self, oldest_first: Iterable[Lease], now: float, why: str) -> None:
+        victim = next((lease for lease in oldest_first if not self.in_use(lease.key)), None)
+        if victim is None:
+            return
+        self.evicted += 1
+        if self.evicted == 1 or self.evicted % 1000 == 0:
+            log.warning("lease table full (%s): evicted the least recently used lease of %r "
+                        "(%d evictions so far)", why, victim.key.route, self.evicted)
+        self._drop(victim, now, Reason.EVICTED, None)
 
     def _use(self, lease: Lease, now: float) -> None:
         lease.last_used = now
+        self._leases.move_to_end(lease.key)
+        self._by_route[lease.key.route].move_to_end(lease.key)
         self._save(lease)
 
-    def _drop(self, lease: Lease, now: float, reason: str, to_host: str | None) -> None:
+    def _drop(self, lease: Lease, now: float, reason: Reason, to_host: str | None) -> None:
         self._remove(lease)
         self._persist.delete_lease(lease.key.route, lease.key.fp, lease.key.model)
         self._event(now, lease.key, lease.host, to_host, reason)
@@ -322,10 +356,20 @@ class LeaseTable:
             k.route, k.fp, k.model, lease.host, lease.state, lease.created, lease.last_used
         )
 
-    def _event(self, now: float, key: Key, from_host: str | None, to_host: str | None, reason: str) -> None:
-        self._persist.record_event(now, key.route, key.fp, key.model, from_host, to_host, reason)
+    def _event(self, now: float, key: Key, from_host: str | None, to_host: str | None,
+               reason: Reason) -> None:
+        event = LeaseEvent(now, key, from_host, to_host, reason)
+        for listener in self._listeners:
+            listener(event)
+
+
+_ORDER = operator.attrgetter("key.route", "key.fp", "key.model")
+
+
+def _copy(lease: Lease) -> Lease:
+    # built directly: dataclasses.replace() costs several times more per lease
+    return Lease(lease.key, lease.host, lease.state, lease.created, lease.last_used)
 
 
 def _sorted_copies(leases: Iterable[Lease]) -> list[Lease]:
-    ordered = sorted(leases, key=lambda lease: (lease.key.route, lease.key.fp, lease.key.model))
-    return [dataclasses.replace(lease) for lease in ordered]
+    return [_copy(lease) for lease in sorted(leases, key=_ORDER)]

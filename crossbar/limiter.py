@@ -32,6 +32,10 @@ class ClientGone(Exception):
     """The client disconnected while its request was waiting for a slot."""
 
 
+class HostDown(Exception):
+    """The host was marked down while the request waited for one of its slots: place it again."""
+
+
 @dataclass(eq=False)
 class Ticket:
     host: str
@@ -55,6 +59,7 @@ class _Slot:
     waiters: deque[_Waiter] = field(default_factory=deque)
     hold_s: float = DEFAULT_HOLD_S
     observed: bool = False
+    granted: int = 0  # slots ever granted (a poll uses it to see what ran while it looked)
 
 
 class Limiter:
@@ -105,6 +110,24 @@ class Limiter:
         for (host, model), slot in self._slots.items():
             self._admit(host, model, slot)
 
+    def evict(self, host: str) -> int:
+        """The host went down: every request queued for it leaves the queue at once with
+        `HostDown`, to be placed elsewhere. Returns how many."""
+        moved = 0
+        for (h, _), slot in self._slots.items():
+            if h != host:
+                continue
+            while slot.waiters:
+                waiter = slot.waiters.popleft()
+                if not waiter.future.done():
+                    waiter.future.set_exception(HostDown())
+                    moved += 1
+        return moved
+
+    def usage(self, host: str) -> dict[str, tuple[int, int]]:
+        """Per model of `host`: (in flight now, slots granted so far)."""
+        return {m: (slot.in_flight, slot.granted) for (h, m), slot in self._slots.items() if h == host}
+
     def in_flight(self, host: str, model: str) -> int:
         slot = self._slots.get((host, model))
         return slot.in_flight if slot else 0
@@ -135,6 +158,7 @@ class Limiter:
 
     def _grant(self, slot: _Slot, ticket: Ticket, now: float) -> None:
         slot.in_flight += 1
+        slot.granted += 1
         ticket.granted_at = now
 
     def _admit(self, host: str, model: str, slot: _Slot) -> None:
@@ -164,6 +188,7 @@ class Limiter:
             if gone is not None and gone.is_set():
                 self._abandon(host, model, slot, waiter)
                 raise ClientGone
+            waiter.future.result()  # HostDown when the host's queue was evicted
         except asyncio.CancelledError:
             self._abandon(host, model, slot, waiter)
             raise
@@ -174,7 +199,7 @@ class Limiter:
     def _abandon(self, host: str, model: str, slot: _Slot, waiter: _Waiter) -> None:
         """The waiter gives up: leave the queue, or give back a slot it was already granted."""
         future = waiter.future
-        if future.done() and not future.cancelled():
+        if future.done() and not future.cancelled() and future.exception() is None:
             waiter.ticket.released = True
             self._free(host, model, slot)
             return

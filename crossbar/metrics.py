@@ -12,13 +12,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from crossbar.decisions import MOVES, Reason, Rejection
+from crossbar.lease import LeaseEvent
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TPS_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
 
-# the reasons of lease events (crossbar.lease), shown at 0 before the first one happens
-LEASE_REASONS = ("new", "unhealthy", "idle", "pin", "release", "drain", "context")
+# the reasons a lease changes, shown at 0 before the first one happens (a drain moves nothing)
+LEASE_REASONS = tuple(str(r) for r in Reason if r in MOVES)
 
 # (host, model, free_slots, in_flight, queued, capacity)
 SlotRow = tuple[str, str, int, int, int, int]
@@ -79,8 +82,8 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.lease_moves = Counter(
-            "crossbar_lease_moves", "Lease events by reason (one per lease_events row)", ["reason"],
-            registry=r,
+            "crossbar_lease_moves", "Lease changes by reason (lease_events rows, drains excepted)",
+            ["reason"], registry=r,
         )
         for reason in LEASE_REASONS:
             self.lease_moves.labels(reason)
@@ -92,10 +95,17 @@ class Metrics:
             "crossbar_rejected", "Requests crossbar answered itself with an error, by reason", ["reason"],
             registry=r,
         )
+        for rejection in Rejection:
+            self.rejected.labels(str(rejection))
+        self.usage_dropped = Counter(
+            "crossbar_usage_figures_dropped", "Usage figures from a host that were out of range (stored as "
+            "NULL)", ["host"], registry=r,
+        )
 
-    def lease_moved(self, reason: str) -> None:
-        """The lease table recorded an event (a store listener: one call per lease_events row)."""
-        self.lease_moves.labels(reason).inc()
+    def lease_event(self, event: LeaseEvent) -> None:
+        """A lease table listener: count every change of where a conversation lives."""
+        if event.reason in MOVES:
+            self.lease_moves.labels(str(event.reason)).inc()
 
     def add_live(self, collector: LiveCollector) -> None:
         self.registry.register(collector)

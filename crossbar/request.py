@@ -1,24 +1,31 @@
 """Routing and body inspection for requests on the main listener (pure, no I/O).
 
-`resolve` turns a method, request target and `X-Crossbar-Route` header into a concrete route
-and upstream path; `peek_body` reads the few fields crossbar needs from a request body with a
-single `json.loads`. Both raise only `CrossbarError`, and their messages never echo body content
-or raw control characters.
+`resolve` turns a method, request target and `X-Crossbar-Route` header into a concrete route,
+upstream path and the query parameters crossbar passes on; `peek_body` reads the few fields
+crossbar needs from a request body. Both raise only `CrossbarError`, and their messages never
+echo body content or raw control characters. `peek_body_off_loop` runs a large body's peek in a
+worker thread, parsed one piece at a time so the event loop keeps the interpreter lock.
 """
 
 from __future__ import annotations
 
+import asyncio
+import codecs
 import dataclasses
 import hashlib
+import hmac
 import json
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import parse_qsl, quote
 
 from crossbar.config import RouteConf
 from crossbar.errors import bad_request, not_found, too_large
+from crossbar.guard import DEFAULT_BYTES_PER_TOKEN
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -47,7 +54,16 @@ BARE_PATHS: frozenset[str] = frozenset(path for _, path in ALLOWED)
 
 ROUTE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NO_ROUTE = "no route: put the route in the path (/<route>/v1/...) or in X-Crossbar-Route"
+EMPTY_ROUTE = ("no route: the path starts with an empty route name ('//'); is the variable that "
+               "should fill the route in the client's base URL set?")
 FINGERPRINT_BYTES = 4096
+MODEL_MAX = 256  # characters of a model name; longer or unprintable names are refused
+TOKEN_ID_BYTES = int(DEFAULT_BYTES_PER_TOKEN)  # a literal token id counts as this many prompt bytes
+# Bodies this large are peeked in a worker thread, a piece at a time; a smaller one is parsed on the
+# loop with one json.loads (about 1 ms per MiB), which is quicker than the thread's hand-over.
+OFF_LOOP_BYTES = 2 * 1024 * 1024
+_DECODE_PIECE = 1 << 20  # UTF-8 is decoded a piece at a time: each C call stays short
+_PACE_ITEMS = 256  # array elements parsed between two offers of the interpreter to other threads
 SYSTEM_ROLES = frozenset({"system", "developer"})
 _SHOW_MAX = 130  # longest untrusted text quoted in an error message
 
@@ -56,7 +72,8 @@ _SHOW_MAX = 130  # longest untrusted text quoted in an error message
 class Resolved:
     route: RouteConf  # concrete: a template match carries the requested name
     path: str  # upstream path without query, e.g. "/v1/chat/completions"
-    query: str  # "" or "model=x&y=1" (without "?")
+    query: str  # what goes upstream: "" or "model=x&autoload=false" (without "?")
+    model: str = ""  # the query's `model`, validated; "" when absent
 
     @property
     def upstream_path(self) -> str:
@@ -181,11 +198,13 @@ def resolve(
         route = _route_or_404(header_route, routes)
         upstream = path
     else:
+        if path.startswith("//"):  # e.g. curl ".../$ROUTE/v1/..." with the variable unset
+            raise not_found(EMPTY_ROUTE)
         name, _, rest = path[1:].partition("/")
         route = _route_or_404(name, routes)
         upstream = "/" + rest
     _check_allowed(method, upstream)
-    return Resolved(route=route, path=upstream, query=query)
+    return _resolved(route, upstream, query)
 
 
 def resolve_listener(method: str, raw_path: str, route: RouteConf) -> Resolved:
@@ -194,7 +213,28 @@ def resolve_listener(method: str, raw_path: str, route: RouteConf) -> Resolved:
     path, _, query = raw_path.partition("?")
     if (method, path) not in LISTENER_ALLOWED:
         raise not_found(f"path not allowed: {_show_path(method)} {_show_path(path)}")
-    return Resolved(route=route, path=path, query=query)
+    return _resolved(route, path, query)
+
+
+def _resolved(route: RouteConf, path: str, raw_query: str) -> Resolved:
+    """Only `model` passes upstream from a query (the first one, validated), always with
+    `autoload=false` so that no client makes a llama-server router load a model; every other
+    parameter, `autoload` included, is dropped."""
+    model = next((value for name, value in parse_qsl(raw_query, keep_blank_values=True)
+                  if name == "model"), "")
+    if not model:
+        return Resolved(route=route, path=path, query="")
+    check_model(model, "query parameter 'model'")
+    return Resolved(route=route, path=path, query=f"model={quote(model, safe='')}&autoload=false",
+                    model=model)
+
+
+def check_model(model: str, where: str = "'model'") -> None:
+    """A model name is 1 to MODEL_MAX printable characters, else 400."""
+    if not model or len(model) > MODEL_MAX:
+        raise bad_request(f"{where} must be 1 to {MODEL_MAX} characters")
+    if not model.isprintable():
+        raise bad_request(f"{where} must not contain control or unprintable characters")
 
 
 def is_control(method: str, path: str) -> bool:
@@ -212,12 +252,17 @@ class BodyPeek:
     stream: bool  # body.stream is True
     include_usage: bool  # body.stream_options.include_usage is True
     fingerprint: str  # "" when there is no user message
-    prompt_bytes: int  # UTF-8 bytes of the prompt text (roles included for chat)
+    prompt_bytes: int  # UTF-8 bytes of what becomes prompt tokens (see `peek_body`)
     n_messages: int
 
 
 def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _json_len(value: Any) -> int:
+    """UTF-8 bytes of `value` as compact JSON (how a chat template renders tools and arguments)."""
+    return _utf8_len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
 class _ConstantRefused(ValueError):
@@ -228,14 +273,130 @@ def _refuse_constant(name: str) -> Any:
     raise _ConstantRefused(f"{name} is not allowed")
 
 
-def _load_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object. NaN and ±Infinity are refused (they are not JSON)."""
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+_SCAN = _DECODER.scan_once
+_WS = re.compile(r"[ \t\n\r]*")
+_COMMA = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
+
+
+def _let_others_run() -> None:
+    """Release the interpreter lock for a moment: the event loop thread, if it waits for it, runs
+    now rather than when the interpreter's switch interval forces a hand-over."""
+    time.sleep(0)
+
+
+def _decode_utf8(raw: bytes) -> str:
+    """`raw.decode("utf-8")`, a piece at a time for a large body (every piece is one short C call)."""
+    if len(raw) <= _DECODE_PIECE:
+        return raw.decode("utf-8")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(raw)
+    pieces = []
+    for at in range(0, len(raw), _DECODE_PIECE):
+        pieces.append(decoder.decode(view[at:at + _DECODE_PIECE]))
+        _let_others_run()
+    pieces.append(decoder.decode(b"", final=True))
+    return "".join(pieces)
+
+
+def _scan_value(text: str, at: int) -> tuple[Any, int]:
     try:
-        text = raw.decode("utf-8")
+        return _SCAN(text, at)
+    except StopIteration as stop:
+        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+
+
+class Sink(Protocol):
+    def add(self, item: Any) -> None: ...
+
+
+def _scan_array(text: str, at: int, sink: Sink | None = None) -> tuple[Any, int]:
+    """The array that opens at text[at], one element per C call; with a `sink`, each element goes
+    to it (and is dropped: nothing piles up for the garbage collector) and the sink stands in for
+    the array."""
+    items: list[Any] = []
+    add = items.append if sink is None else sink.add
+    scan, comma = _SCAN, _COMMA.match
+    at = _WS.match(text, at + 1).end()
+    if not text.startswith("]", at):
+        try:
+            count = 0
+            while True:
+                item, at = scan(text, at)
+                add(item)
+                count += 1
+                if count % _PACE_ITEMS == 0:
+                    _let_others_run()
+                separator = comma(text, at)
+                if separator is None:
+                    break
+                at = separator.end()
+        except StopIteration as stop:
+            raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+        at = _WS.match(text, at).end()
+        if not text.startswith("]", at):
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
+    return sink if sink is not None else items, at + 1
+
+
+def _loads_piecewise(text: str, sinks: Mapping[str, Callable[[], Sink]] | None = None) -> Any:
+    """`json.loads(text)`, taking a top-level object one member at a time and a top-level array
+    member one element at a time. A single C call never parses the whole body, so a worker thread
+    running this hands the interpreter lock back to the event loop between pieces. The elements
+    of a top-level array named in `sinks` go to a new sink of that name (a repeated name starts a
+    new one: the last wins, as in `json.loads`), which stands in for the array."""
+    at = _WS.match(text, 0).end()
+    if not text.startswith("{", at):
+        value, at = _scan_value(text, at)
+    else:
+        value, at = _scan_members(text, at, sinks or {})
+    end = _WS.match(text, at).end()
+    if end != len(text):
+        raise json.JSONDecodeError("Extra data", text, end)
+    return value
+
+
+def _scan_members(text: str, at: int, sinks: Mapping[str, Callable[[], Sink]],
+                  ) -> tuple[dict[str, Any], int]:
+    obj: dict[str, Any] = {}
+    at = _WS.match(text, at + 1).end()
+    if text.startswith("}", at):
+        return obj, at + 1
+    while True:
+        if not text.startswith('"', at):
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
+        key, at = json.decoder.scanstring(text, at + 1)
+        at = _WS.match(text, at).end()
+        if not text.startswith(":", at):
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
+        at = _WS.match(text, at + 1).end()
+        if text.startswith("[", at):
+            obj[key], at = _scan_array(text, at, sinks[key]() if key in sinks else None)
+        else:
+            obj[key], at = _scan_value(text, at)
+        at = _WS.match(text, at).end()
+        if text.startswith(",", at):
+            at = _WS.match(text, at + 1).end()
+        elif text.startswith("}", at):
+            return obj, at + 1
+        else:
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
+
+
+def _load_object(raw: bytes, sinks: Mapping[str, Callable[[], Sink]] | None = None) -> dict[str, Any]:
+    """The body as a JSON object. NaN and ±Infinity are refused (they are not JSON). A large body
+    is decoded and parsed a piece at a time (the same result and errors as one `json.loads`), its
+    top-level arrays named in `sinks` fed to them one element at a time."""
+    piecewise = len(raw) >= OFF_LOOP_BYTES
+    try:
+        text = _decode_utf8(raw) if piecewise else raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8") from None
     try:
-        obj = json.loads(text, parse_constant=_refuse_constant)
+        if piecewise:
+            obj = _loads_piecewise(text, sinks)
+        else:
+            obj = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as e:
         reason = f"{e.msg} at line {e.lineno} column {e.colno}"
         raise bad_request(f"request body is not valid JSON: {reason}") from None
@@ -251,7 +412,8 @@ def _load_object(raw: bytes) -> dict[str, Any]:
 
 
 def _content_text_bytes(content: Any, where: str) -> int:
-    """UTF-8 bytes of a message content's text (parts joined with "\\n"); validates its shape."""
+    """UTF-8 bytes of a message content's text (parts joined with "\\n"); validates its shape.
+    Non-text parts (images, audio) count nothing: their token cost is not told by their bytes."""
     if content is None:
         return 0
     if isinstance(content, str):
@@ -272,30 +434,94 @@ def _content_text_bytes(content: Any, where: str) -> int:
     return total + max(texts - 1, 0)
 
 
-def _chat_prompt_bytes(body: Mapping[str, Any]) -> tuple[list[Any], int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise bad_request("'messages' must be a list")
+def _tool_call_bytes(calls: Any) -> int:
+    """Bytes of an assistant message's tool calls (function names and arguments)."""
+    if not isinstance(calls, list):
+        return 0
     total = 0
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            continue
+        for value in (function.get("name"), function.get("arguments")):
+            if isinstance(value, str):
+                total += _utf8_len(value)
+            elif value is not None:
+                total += _json_len(value)
+    return total
+
+
+class _ChatTally:
+    """Chat messages, one at a time: validated, their prompt bytes (roles, texts, tool calls)
+    summed, the first system and first user text kept for the fingerprint."""
+
+    __slots__ = ("count", "prompt_bytes", "system", "user")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.prompt_bytes = 0
+        self.system: bytes | None = None
+        self.user: bytes | None = None
+
+    def add(self, message: Any) -> None:
         if not isinstance(message, dict):
-            raise bad_request(f"{where} must be an object")
+            raise bad_request(f"messages[{self.count}] must be an object")
         role = message.get("role")
         if not isinstance(role, str):
-            raise bad_request(f"{where}.role must be a string")
-        total += _utf8_len(role) + _content_text_bytes(message.get("content"), where)
-    return messages, total
+            raise bad_request(f"messages[{self.count}].role must be a string")
+        content = message.get("content")
+        self.prompt_bytes += _utf8_len(role) + _content_text_bytes(content, f"messages[{self.count}]")
+        if "tool_calls" in message:
+            self.prompt_bytes += _tool_call_bytes(message["tool_calls"])
+        if self.system is None and role in SYSTEM_ROLES:
+            self.system = _text_prefix(content)
+        elif self.user is None and role == "user":
+            self.user = _text_prefix(content)
+        self.count += 1
+
+
+def _chat_tally(body: Mapping[str, Any]) -> _ChatTally:
+    """Everything the chat template turns into prompt tokens, apart from its own fixed text:
+    the messages' roles, texts and tool calls, and the tool definitions."""
+    messages = body.get("messages")
+    if isinstance(messages, _ChatTally):  # a large body's messages, tallied while it was parsed
+        tally = messages
+    elif isinstance(messages, list):
+        tally = _ChatTally()
+        for message in messages:
+            tally.add(message)
+    else:
+        raise bad_request("'messages' must be a list")
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools:
+        tally.prompt_bytes += _json_len(tools)
+    return tally
+
+
+def _piece_bytes(item: Any) -> int:
+    """One element of a prompt list: text, a token id, a list of either, or a multimodal prompt."""
+    if isinstance(item, str):
+        return _utf8_len(item)
+    if isinstance(item, int) and not isinstance(item, bool):
+        return TOKEN_ID_BYTES
+    if isinstance(item, list):
+        return sum(_utf8_len(x) if isinstance(x, str) else TOKEN_ID_BYTES
+                   for x in item if isinstance(x, str | int) and not isinstance(x, bool))
+    if isinstance(item, dict) and isinstance(item.get("prompt_string"), str):
+        return _utf8_len(item["prompt_string"])
+    return 0
 
 
 def _text_or_list_bytes(body: Mapping[str, Any], key: str) -> int:
-    """Bytes of a completions `prompt` / embeddings `input`: a string, or a list (strings summed)."""
+    """Bytes of a completions `prompt` / embeddings `input`: a string, or a list of strings, token
+    ids and lists of them (a token id counts as TOKEN_ID_BYTES, what the blind estimate spends on
+    one token)."""
     value = body.get(key)
     if isinstance(value, str):
         return _utf8_len(value)
     if not isinstance(value, list):
         raise bad_request(f"'{key}' must be a string or a list")
-    return sum(_utf8_len(item) for item in value if isinstance(item, str))
+    return sum(_piece_bytes(item) for item in value)
 
 
 def _common_fields(body: Mapping[str, Any], default_model: str) -> tuple[str, bool, bool]:
@@ -304,6 +530,7 @@ def _common_fields(body: Mapping[str, Any], default_model: str) -> tuple[str, bo
         model = body["model"]
         if not isinstance(model, str) or not model:
             raise bad_request("'model' must be a non-empty string")
+        check_model(model)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean")
@@ -313,8 +540,11 @@ def _common_fields(body: Mapping[str, Any], default_model: str) -> tuple[str, bo
     return model, stream, options.get("include_usage") is True
 
 
-def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int) -> BodyPeek:
-    """The fields crossbar needs from a complete request body (one `json.loads`).
+def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int, fp_key: bytes) -> BodyPeek:
+    """The fields crossbar needs from a complete request body; the fingerprint is keyed with
+    `fp_key`. `prompt_bytes` counts what becomes prompt tokens: message texts and roles, tool
+    calls and tool definitions for a chat; strings, and TOKEN_ID_BYTES per literal token id, for
+    completions and embeddings.
 
     Raises `CrossbarError` (413 over `max_body`, else 400) and nothing else, for any bytes.
     Bodies of non-completion paths (GET) are not parsed: they get the route's defaults.
@@ -326,13 +556,22 @@ def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int) -
         return BodyPeek(default_model, False, False, "", 0, 0)
     if not raw:
         raise bad_request("request body must be a JSON object")
-    body = _load_object(raw)
+    body = _load_object(raw, {"messages": _ChatTally} if path == CHAT_PATH else None)
     model, stream, include_usage = _common_fields(body, default_model)
     if path == CHAT_PATH:
-        messages, prompt_bytes = _chat_prompt_bytes(body)
-        return BodyPeek(model, stream, include_usage, fingerprint(messages), prompt_bytes, len(messages))
+        tally = _chat_tally(body)
+        fp = _digest(tally.system, tally.user, fp_key)
+        return BodyPeek(model, stream, include_usage, fp, tally.prompt_bytes, tally.count)
     key = "prompt" if path == COMPLETIONS_PATH else "input"
     return BodyPeek(model, stream, include_usage, "", _text_or_list_bytes(body, key), 0)
+
+
+async def peek_body_off_loop(raw: bytes | None, path: str, default_model: str, max_body: int,
+                             fp_key: bytes) -> BodyPeek:
+    """`peek_body`, in a worker thread when the body is large enough to hold up other streams."""
+    if raw is not None and OFF_LOOP_BYTES <= len(raw) <= max_body and path in COMPLETION_PATHS:
+        return await asyncio.to_thread(peek_body, raw, path, default_model, max_body, fp_key)
+    return peek_body(raw, path, default_model, max_body, fp_key)
 
 
 # ---------------------------------------------------------------- fingerprint
@@ -358,11 +597,13 @@ def _text_prefix(content: Any) -> bytes:
     return text.encode("utf-8", "surrogatepass")[:FINGERPRINT_BYTES]
 
 
-def fingerprint(messages: Sequence[Mapping[str, Any]]) -> str:
-    """SHA-256 hex over the first system (or developer) message and the first user message.
+def fingerprint(messages: Sequence[Mapping[str, Any]], key: bytes) -> str:
+    """HMAC-SHA-256, keyed with the install's secret, over the first system (or developer)
+    message and the first user message.
 
     Each text is cut to its first 4 KiB of UTF-8 and length-prefixed, so the encoding is
-    unambiguous. Later messages never change it; "" when there is no user message.
+    unambiguous. Later messages never change it; "" when there is no user message. Without the
+    key, a fingerprint read from the admin API or the database confirms no guessed opening.
     """
     system: bytes | None = None
     user: bytes | None = None
@@ -376,10 +617,14 @@ def fingerprint(messages: Sequence[Mapping[str, Any]]) -> str:
             user = _text_prefix(message.get("content"))
         if system is not None and user is not None:
             break
+    return _digest(system, user, key)
+
+
+def _digest(system: bytes | None, user: bytes | None, key: bytes) -> str:
     if user is None:
         return ""
     system = system or b""
-    digest = hashlib.sha256(b"crossbar-fp-1\0")
+    digest = hmac.new(key, b"crossbar-fp-2\0", hashlib.sha256)
     digest.update(b"system:%d:" % len(system) + system)
     digest.update(b"user:%d:" % len(user) + user)
     return digest.hexdigest()

@@ -1,193 +1,124 @@
-"""SQLite persistence: the lease table (write-through copy) and the accounting log.
+"""The store: the lease table (write-through copy) and the accounting log, in SQLite.
 
-The proxy's event loop never waits on the database. Every write is an operation put on an
-in-memory queue (a lock-protected append, never blocking on I/O) and applied by one background
-writer thread, in batches of up to `BATCH` operations per transaction. A failing database
-(locked, read-only, disk full, directory gone) never raises into callers: the writer logs one
-warning per failure burst, counts every failed attempt in `errors`, keeps the batch and retries
-with backoff (0.1 s doubling to 5 s). Only when more than `max_pending` operations wait are the
-oldest request/health rows dropped (counted in `dropped`); lease rows and lease events never are.
+The proxy's event loop never waits on the database: every write is an operation put on the
+write-behind queue (`crossbar.writebehind`), applied by one background writer thread in batches.
+Lease rows and lease events are never dropped; request/health rows are shed (oldest first, counted)
+only when more than `max_pending` operations wait.
 
 Reads (admin, usage, lease loading) use a second engine whose connections are `query_only`, so
 they neither block nor are blocked by the writer (WAL). They are synchronous: the proxy calls them
-through `asyncio.to_thread`. Request bodies are never stored: no table has a body column.
+through `asyncio.to_thread`. The tables are in `crossbar.schema`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sqlite3
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import (
-    REAL,
     URL,
     ColumnElement,
     Engine,
-    Index,
     Integer,
     Select,
+    String,
     Table,
     bindparam,
     case,
-    create_engine,
     delete,
-    event,
     func,
     insert,
     literal,
     or_,
     select,
+    text,
     union_all,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
-from sqlalchemy.pool import NullPool
-from sqlmodel import Field, Session, SQLModel
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+from sqlmodel import Session
+
+from crossbar import backend
+from crossbar.backend import Database, DatabaseError, parse_db
+from crossbar.schema import (
+    DAILY,
+    EVENTS,
+    HEALTH,
+    LEASES,
+    REQUESTS,
+    SUMMED,
+    LeaseEventRow,
+    LeaseRow,
+    RequestRow,
+)
+from crossbar.shared import CHANNEL, MAX_PAYLOAD, Change, SharedState
+from crossbar.writebehind import Op, WriteBehind, one_line
 
 log = logging.getLogger("crossbar.store")
 
-BATCH = 500
-# The writer gathers work this long before a transaction: one commit per many requests keeps its
-# CPU time (and its hold on the GIL, shared with the proxy's event loop) small. flush() and
-# close() cut the wait short.
-LINGER = 0.25
-BUSY_TIMEOUT_MS = 2000
-BACKOFF_FIRST = 0.1
-BACKOFF_MAX = 5.0
 USAGE_KEYS = ("route", "model", "host", "decision")
+# request and health rows may be shed under pressure; leases, lease events and rollups never are
+_DROPPABLE = ("request", "health")
 
 
 class StoreError(Exception):
     """The database cannot be opened or created at all (start-up fails with this one line)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# tables
-
-
-class LeaseRow(SQLModel, table=True):
-    """One lease; a route pin is a row with fp = "" and model = "" and state = "pinned"."""
-
-    __tablename__ = "leases"
-
-    route: str = Field(primary_key=True)
-    fp: str = Field(primary_key=True)
-    model: str = Field(primary_key=True)
-    host: str
-    state: str  # "active" | "pinned"
-    created: float = Field(sa_type=REAL)
-    last_used: float = Field(sa_type=REAL)
-
-
-class LeaseEventRow(SQLModel, table=True):
-    """Why a session moved (new|unhealthy|idle|pin|release|drain|retried...)."""
-
-    __tablename__ = "lease_events"
-    __table_args__ = ({"sqlite_autoincrement": True},)
-
-    id: int | None = Field(default=None, primary_key=True)
-    ts: float = Field(sa_type=REAL, index=True)
-    route: str
-    fp: str
-    model: str
-    from_host: str | None = None
-    to_host: str | None = None
-    reason: str
-
-
-class RequestRow(SQLModel, table=True):
-    """One proxied request. Absent token figures are NULL, never 0."""
-
-    __tablename__ = "requests"
-    __table_args__ = (
-        Index("ix_requests_route_started", "route", "started"),
-        Index("ix_requests_host_started", "host", "started"),
-        {"sqlite_autoincrement": True},
-    )
-
-    id: int | None = Field(default=None, primary_key=True)
-    route: str
-    fp: str
-    model: str
-    host: str | None = None
-    started: float = Field(sa_type=REAL, index=True)
-    queued_ms: int
-    ttfb_ms: int | None = None
-    total_ms: int
-    status: int | None = None
-    streamed: bool
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-    err: str | None = None
-    decision: str | None = None  # reused|new|inherited|pinned|moved:unhealthy|moved:idle|retried
-
-
-class HostHealthRow(SQLModel, table=True):
-    """One poller observation of a host."""
-
-    __tablename__ = "host_health"
-
-    id: int | None = Field(default=None, primary_key=True)
-    ts: float = Field(sa_type=REAL, index=True)
-    host: str
-    healthy: bool
-    loaded_models: str  # JSON list
-
-
-class RequestDailyRow(SQLModel, table=True):
-    """Per-day rollup of `requests` (host and decision "" when NULL), filled by `Store.rollup`."""
-
-    __tablename__ = "requests_daily"
-
-    day: str = Field(primary_key=True)  # YYYY-MM-DD, UTC
-    route: str = Field(primary_key=True)
-    model: str = Field(primary_key=True)
-    host: str = Field(primary_key=True)
-    decision: str = Field(default="", primary_key=True)
-    requests: int = 0
-    errors: int = 0
-    busy_ms: int = 0
-    queued_ms: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-
-def _table(model: type[SQLModel]) -> Table:
-    return cast(Table, model.__table__)  # type: ignore[attr-defined]
-
-
-LEASES = _table(LeaseRow)
-EVENTS = _table(LeaseEventRow)
-REQUESTS = _table(RequestRow)
-HEALTH = _table(HostHealthRow)
-DAILY = _table(RequestDailyRow)
-TABLES = [LEASES, EVENTS, REQUESTS, HEALTH, DAILY]
-
-_INT_COLUMNS = ("queued_ms", "total_ms")
-_NULLABLE_INT_COLUMNS = ("ttfb_ms", "status", "prompt_tokens", "cached_tokens", "completion_tokens")
+# Sane ranges of a request's figures: a context of a hundred million tokens or a request of a week
+# is beyond any host crossbar fronts. Within them, sums stay exact far beyond any fleet's history.
+MAX_TOKENS = 100_000_000
+MAX_MS = 604_800_000
+MAX_DAILY = 2**53  # one day's sum of sane figures in requests_daily stays far below this
+_INT_COLUMNS = ("queued_ms", "total_ms")  # crossbar's own clock; NOT NULL
+_FIGURES = {"ttfb_ms": MAX_MS, "status": 599, "prompt_tokens": MAX_TOKENS, "cached_tokens": MAX_TOKENS,
+            "completion_tokens": MAX_TOKENS}
 _NULLABLE_STR_COLUMNS = ("host", "err", "decision")
-_SUMMED = ("busy_ms", "queued_ms", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 # ---------------------------------------------------------------------------------------------
 # statements
 
 
-def _lease_upsert() -> Any:
-    stmt = sqlite_insert(LEASES)
+class _utc_day(FunctionElement[str]):
+    """The UTC day (YYYY-MM-DD) of a Unix time, in either dialect."""
+
+    type = String()
+    inherit_cache = True
+
+
+@compiles(_utc_day, "sqlite")
+def _utc_day_sqlite(element: _utc_day, compiler: Any, **kw: Any) -> str:
+    return f"date({compiler.process(element.clauses, **kw)}, 'unixepoch')"
+
+
+@compiles(_utc_day, "postgresql")
+def _utc_day_postgresql(element: _utc_day, compiler: Any, **kw: Any) -> str:
+    started = compiler.process(element.clauses, **kw)
+    return f"to_char(to_timestamp({started}) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+
+
+def _insert(conn: Connection, table: Table) -> Any:
+    """INSERT with the dialect's ON CONFLICT support."""
+    return pg_insert(table) if conn.dialect.name == "postgresql" else sqlite_insert(table)
+
+
+def _lease_upsert(conn: Connection) -> Any:
+    stmt = _insert(conn, LEASES)
     return stmt.on_conflict_do_update(
         index_elements=["route", "fp", "model"],
         set_={c: stmt.excluded[c] for c in ("host", "state", "created", "last_used")},
@@ -208,7 +139,13 @@ def _is_error(t: Table) -> ColumnElement[int]:
 
 
 def _day_of(started: ColumnElement[Any]) -> ColumnElement[str]:
-    return func.date(started, "unixepoch")
+    return _utc_day(started)
+
+
+def _safe_sum(column: ColumnElement[Any], high: int) -> ColumnElement[Any]:
+    """SUM over the values within [0, high]: rows an older crossbar stored with absurd figures (or
+    written by hand) are left out instead of overflowing the sum (SQLite raises on it)."""
+    return func.sum(case((column.between(0, high), column), else_=None))
 
 
 def _key_column(t: Table, key: str) -> ColumnElement[str]:
@@ -217,6 +154,15 @@ def _key_column(t: Table, key: str) -> ColumnElement[str]:
 
 
 _DAILY_KEYS = ("route", "model", "host", "decision")
+_USAGE_SUMS = ("requests", "errors", *SUMMED)
+# what `requests` contributes to each summed column, and the bound of a sane value
+_REQUEST_SUMS = {
+    "busy_ms": ("total_ms", MAX_MS),
+    "queued_ms": ("queued_ms", MAX_MS),
+    "prompt_tokens": ("prompt_tokens", MAX_TOKENS),
+    "cached_tokens": ("cached_tokens", MAX_TOKENS),
+    "completion_tokens": ("completion_tokens", MAX_TOKENS),
+}
 
 
 def _requests_rollup(older_than: float) -> Select[Any]:
@@ -228,21 +174,17 @@ def _requests_rollup(older_than: float) -> Select[Any]:
             *keys,
             func.count(),
             func.sum(_is_error(r)),
-            func.coalesce(func.sum(r.c.total_ms), 0),
-            func.coalesce(func.sum(r.c.queued_ms), 0),
-            func.coalesce(func.sum(r.c.prompt_tokens), 0),
-            func.coalesce(func.sum(r.c.cached_tokens), 0),
-            func.coalesce(func.sum(r.c.completion_tokens), 0),
+            *[func.coalesce(_safe_sum(r.c[col], high), 0) for col, high in _REQUEST_SUMS.values()],
         )
         .where(r.c.started < older_than)
         .group_by(_day_of(r.c.started), *keys)
     )
 
 
-def _daily_upsert(older_than: float) -> Any:
-    cols = ["day", *_DAILY_KEYS, "requests", "errors", *_SUMMED]
-    stmt = sqlite_insert(DAILY).from_select(cols, _requests_rollup(older_than))
-    added = ["requests", "errors", *_SUMMED]
+def _daily_upsert(conn: Connection, older_than: float) -> Any:
+    cols = ["day", *_DAILY_KEYS, "requests", "errors", *SUMMED]
+    stmt = _insert(conn, DAILY).from_select(cols, _requests_rollup(older_than))
+    added = ["requests", "errors", *SUMMED]
     return stmt.on_conflict_do_update(
         index_elements=["day", *_DAILY_KEYS],
         set_={c: DAILY.c[c] + stmt.excluded[c] for c in added},
@@ -257,11 +199,7 @@ def _request_usage(key: str, since: float) -> Select[Any]:
             col.label("key"),
             func.count().label("requests"),
             func.sum(_is_error(r)).label("errors"),
-            func.sum(r.c.total_ms).label("busy_ms"),
-            func.sum(r.c.queued_ms).label("queued_ms"),
-            func.sum(r.c.prompt_tokens).label("prompt_tokens"),
-            func.sum(r.c.cached_tokens).label("cached_tokens"),
-            func.sum(r.c.completion_tokens).label("completion_tokens"),
+            *[_safe_sum(r.c[col], high).label(name) for name, (col, high) in _REQUEST_SUMS.items()],
         )
         .where(r.c.started >= since)
         .group_by(col)
@@ -271,251 +209,185 @@ def _request_usage(key: str, since: float) -> Select[Any]:
 def _daily_usage(key: str, since: float) -> Select[Any]:
     d = DAILY
     day = datetime.fromtimestamp(since, UTC).strftime("%Y-%m-%d")
-    sums = [func.sum(d.c[c]).label(c) for c in ("requests", "errors", *_SUMMED)]
+    sums = [_safe_sum(d.c[c], MAX_DAILY).label(c) for c in _USAGE_SUMS]
     return select(d.c[key].label("key"), *sums).where(d.c.day >= day).group_by(d.c[key])
 
 
 def _usage(key: str, since: float) -> Select[Any]:
     both = union_all(_request_usage(key, since), _daily_usage(key, since)).subquery()
-    sums = [func.coalesce(func.sum(both.c[c]), literal(0)).label(c) for c in ("requests", "errors", *_SUMMED)]
-    return select(both.c.key, *sums).group_by(both.c.key).order_by(both.c.key)
+    sums = [func.coalesce(func.sum(both.c[c]), literal(0)).label(c) for c in _USAGE_SUMS]
+    return select(both.c.key, *sums).group_by(both.c.key)
 
 
 # ---------------------------------------------------------------------------------------------
-# engines
+# the writer's operations
 
 
-def _on_writer_connect(dbapi_conn: Any, _record: Any) -> None:
-    dbapi_conn.isolation_level = None  # SQLAlchemy's "begin" hook emits BEGIN IMMEDIATE instead
-    cur = dbapi_conn.cursor()
-    cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    cur.execute("PRAGMA synchronous = NORMAL")
-    cur.close()
-
-
-def _on_writer_begin(conn: Connection) -> None:
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-
-def _on_reader_connect(dbapi_conn: Any, _record: Any) -> None:
-    cur = dbapi_conn.cursor()
-    cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    cur.execute("PRAGMA query_only = ON")
-    cur.close()
-
-
-def _engine(url: URL, **kw: Any) -> Engine:
-    args = {"timeout": BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}
-    return create_engine(url, connect_args=args, **kw)
-
-
-def _writer_engine(url: URL) -> Engine:
-    engine = _engine(url, pool_size=1, max_overflow=4)
-    event.listen(engine, "connect", _on_writer_connect)
-    event.listen(engine, "begin", _on_writer_begin)
-    return engine
-
-
-def _reader_engine(url: URL) -> Engine:
-    engine = _engine(url)
-    event.listen(engine, "connect", _on_reader_connect)
-    return engine
-
-
-def _create_schema(url: URL) -> None:
-    """Create the tables and switch the file to WAL; raises SQLAlchemyError."""
-    engine = _engine(url, poolclass=NullPool)
-    try:
-        with engine.connect() as conn:
-            mode = conn.exec_driver_sql("PRAGMA journal_mode = WAL").scalar()
-            if str(mode).lower() != "wal":
-                raise OperationalError("PRAGMA journal_mode = WAL", {}, Exception(f"journal mode {mode}"))
-        SQLModel.metadata.create_all(engine, tables=TABLES)
-        with engine.begin() as conn:
-            _add_daily_decision(conn)
-    finally:
-        engine.dispose()
-
-
-def _add_daily_decision(conn: Connection) -> None:
-    """A `requests_daily` written before `decision` became part of its key: rebuild it, decision ""."""
-    columns = {row[1] for row in conn.exec_driver_sql("PRAGMA table_info(requests_daily)")}
-    if "decision" in columns:
-        return
-    names = ", ".join(["day", "route", "model", "host", "requests", "errors", *_SUMMED])
-    conn.exec_driver_sql("ALTER TABLE requests_daily RENAME TO requests_daily_old")
-    DAILY.create(conn)
-    conn.exec_driver_sql(
-        f"INSERT INTO requests_daily ({names}, decision) SELECT {names}, '' FROM requests_daily_old"
-    )
-    conn.exec_driver_sql("DROP TABLE requests_daily_old")
-    log.info("store: requests_daily now keeps the lease decision of its rows")
-
-
-def _one_line(exc: BaseException) -> str:
-    orig = getattr(exc, "orig", None)
-    text = str(orig if orig is not None else exc) or type(exc).__name__
-    return text.splitlines()[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# the queue
-
-
-@dataclass(slots=True)
-class _Op:
-    seq: int
-    kind: str  # lease | unlease | event | request | health | rollup
-    data: dict[str, Any]
-
-
-def _lease_key(op: _Op) -> tuple[str, str, str]:
+def _lease_key(op: Op) -> tuple[str, str, str]:
     return (op.data["route"], op.data["fp"], op.data["model"])
 
 
-def _opt(value: Any, conv: Callable[[Any], Any]) -> Any:
-    return None if value is None else conv(value)
+def _figure(value: Any, low: int, high: int) -> int | None:
+    """A whole figure within [low, high], else None (unknown): an upstream's absurd usage
+    (2**70 tokens, 1e308, NaN) is never stored, so no sum of stored figures can overflow."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    figure = round(value)
+    return figure if low <= figure <= high else None
 
 
-def _ms(value: Any) -> int:
-    return round(value)
+def _text(value: Any) -> str:
+    """A string every backend stores as given: PostgreSQL refuses NUL in text, so it becomes U+FFFD
+    (on every backend, so that both keep the same keys)."""
+    return str(value).replace("\x00", "\ufffd")
 
 
-def _request_values(row: dict[str, Any], now: float) -> dict[str, Any]:
-    """Normalise a request row at enqueue time so the writer never meets an unbindable value."""
+def _request_values(row: dict[str, Any], now: float) -> tuple[dict[str, Any], int]:
+    """Normalise a request row at enqueue time so the writer never meets an unbindable value; also
+    how many figures were out of range (stored as NULL, or 0 where the column cannot be NULL)."""
+    started = float(row.get("started", now))
     out: dict[str, Any] = {
-        "route": str(row.get("route", "")),
-        "fp": str(row.get("fp", "")),
-        "model": str(row.get("model", "")),
-        "started": float(row.get("started", now)),
+        "route": _text(row.get("route", "")),
+        "fp": _text(row.get("fp", "")),
+        "model": _text(row.get("model", "")),
+        "started": started if math.isfinite(started) else now,
         "streamed": bool(row.get("streamed", False)),
     }
+    bad = 0 if math.isfinite(started) else 1
+    for col, high in _FIGURES.items():
+        raw = row.get(col)
+        out[col] = _figure(raw, 100 if col == "status" else 0, high)
+        bad += raw is not None and out[col] is None
+    prompt, cached = out["prompt_tokens"], out["cached_tokens"]
+    if cached is not None and prompt is not None and cached > prompt:
+        out["cached_tokens"], bad = None, bad + 1
     for col in _INT_COLUMNS:
-        out[col] = _ms(row.get(col) or 0)
-    for col in _NULLABLE_INT_COLUMNS:
-        out[col] = _opt(row.get(col), _ms)
+        raw = row.get(col) or 0
+        out[col] = _figure(raw, 0, MAX_MS)
+        if out[col] is None:
+            out[col], bad = 0, bad + 1
     for col in _NULLABLE_STR_COLUMNS:
-        out[col] = _opt(row.get(col), str)
-    return out
+        out[col] = None if row.get(col) is None else _text(row[col])
+    return out, bad
 
 
 class Store:
-    """SQLite-backed store with one background writer thread; see the module docstring."""
+    """The SQLite-backed store; see the module docstring."""
 
     def __init__(
-        self, path: str, *, max_pending: int = 1_000_000, clock: Callable[[], float] = time.time
+        self, db: str, *, max_pending: int = 1_000_000, clock: Callable[[], float] = time.time
     ) -> None:
-        self.path = str(Path(path).expanduser())
-        self.max_pending = max_pending
+        try:
+            self.db: Database | None = parse_db(db)
+        except DatabaseError as exc:
+            self.db, self._bad_db = None, str(exc)
+        self.path = self.db.path if self.db else ""  # the SQLite file ("" for PostgreSQL)
+        self.label = self.db.label if self.db else db  # for log lines: never a password
         self.clock = clock
-        self.errors = 0
-        self.dropped = 0
-        self.written = 0
-        self.last_error = ""
         self.last_rollup = 0
-        self._lock = threading.Lock()
-        self._has_work = threading.Condition(self._lock)  # the writer waits on this
-        self._committed = threading.Condition(self._lock)  # flush() waits on this
-        self._wake = threading.Event()
-        self._urgent = 0  # callers blocked in flush(): write now
-        self.linger = LINGER
-        self._ordered: deque[_Op] = deque()  # leases, events, rollups: never dropped
-        self._rows: deque[_Op] = deque()  # requests, health: oldest dropped beyond max_pending
-        self._seq = 0
-        self._inflight = 0
-        self._inflight_first: int | None = None
-        self._failing = False
-        self._dropping = False
-        self._stop = False
-        self._closed = False
-        self._thread: threading.Thread | None = None
+        self.bad_figures = 0  # figures out of their sane range, stored as unknown
+        self._bad_lock = threading.Lock()
+        self._queue = WriteBehind(
+            self, name=self.label, droppable=_DROPPABLE, max_pending=max_pending, log=log
+        )
         self._writer: Engine | None = None
         self._reader: Engine | None = None
+        self.shared: SharedState | None = None  # what instances sharing the database share; set by open()
         self._event_listeners: list[Callable[[str], None]] = []
+
+    # -- the queue's counters -------------------------------------------------------------------
+
+    @property
+    def errors(self) -> int:
+        return self._queue.errors
+
+    @property
+    def dropped(self) -> int:
+        return self._queue.dropped
+
+    @property
+    def written(self) -> int:
+        return self._queue.written
+
+    @property
+    def last_error(self) -> str:
+        return self._queue.last_error
+
+    @property
+    def pending(self) -> int:
+        return self._queue.pending
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def _url(self) -> URL:
-        return URL.create("sqlite", database=self.path)
+    def _writer_url(self) -> URL | None:
+        """The writer's database URL when it is not the database's own; tests replace it (e.g. with
+        SQLite's `mode=ro`) to make writes fail."""
+        return None
 
-    def _writer_url(self) -> URL:
-        """The writer's database URL; tests replace it (e.g. with `mode=ro`) to make writes fail."""
-        return self._url()
+    @property
+    def postgres(self) -> bool:
+        return self.db is not None and self.db.postgres
 
     def open(self) -> None:
-        """Create the directory, tables and WAL mode; raise StoreError if the file is unusable."""
+        """Create the database (directory, private file, WAL for SQLite) and bring its schema to the
+        newest revision; raise StoreError (one line) when that is impossible."""
         if self._writer is not None:
             return
-        parent = Path(self.path).parent
+        if self.db is None:
+            raise StoreError(self._bad_db)
+        if not self.db.postgres:
+            parent = Path(self.path).parent
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"store: cannot create directory {parent}: {exc.strerror or exc}") from exc
         try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"store: cannot create directory {parent}: {exc.strerror or exc}") from exc
-        try:
-            _create_schema(self._url())
-        except SQLAlchemyError as exc:
-            raise StoreError(f"store: cannot open database {self.path}: {_one_line(exc)}") from exc
-        self._writer = _writer_engine(self._writer_url())
-        self._reader = _reader_engine(self._url())
+            backend.prepare(self.db)
+        except (SQLAlchemyError, OSError) as exc:
+            raise StoreError(f"store: cannot open database {self.label}: {one_line(exc)}") from exc
+        self._writer = backend.writer_engine(self.db, self._writer_url())
+        self._reader = backend.reader_engine(self.db)
+        self.shared = SharedState(self.db)
 
     def start(self) -> None:
         """Start the writer thread (daemon, "crossbar-store")."""
         if self._writer is None:
             raise StoreError("store: start() before open()")
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="crossbar-store", daemon=True)
-        self._thread.start()
+        self._queue.start("crossbar-store")
+        assert self.shared is not None
+        self.shared.open()
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until everything enqueued before the call is committed; False on timeout."""
-        thread = self._thread
-        if thread is None or not thread.is_alive():
-            return self.pending == 0
-        with self._lock:
-            target = self._seq
-            self._urgent += 1
-            self._has_work.notify()
-            self._wake.set()  # cut a backoff sleep short: try now
-            try:
-                return self._committed.wait_for(lambda: self._done_upto() >= target, timeout)
-            finally:
-                self._urgent -= 1
+        return self._queue.flush(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush, stop the writer and dispose the engines; idempotent."""
-        if self._closed:
+        if self._queue.closed:
             return
-        if self._thread is None and self._writer is not None and self.pending:
+        if not self._queue.started and self._writer is not None and self.pending:
             self.start()
-        self.flush(timeout)
-        with self._lock:
-            self._closed = True
-            self._stop = True
-            self._has_work.notify_all()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._queue.stop(timeout)
+        if self.shared is not None:
+            self.shared.close()
         if self.pending:
-            log.warning("store: closed with %d operations not written to %s", self.pending, self.path)
+            log.warning("store: closed with %d operations not written to %s", self.pending, self.label)
         for engine in (self._writer, self._reader):
             if engine is not None:
                 engine.dispose()
-
-    @property
-    def pending(self) -> int:
-        return len(self._ordered) + len(self._rows) + self._inflight
 
     # -- enqueue (never blocks on I/O, never raises) ----------------------------------------------
 
     def save_lease(
         self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float
     ) -> None:
-        data = {"route": route, "fp": fp, "model": model, "host": host, "state": state}
-        self._put("lease", {**data, "created": float(created), "last_used": float(last_used)})
+        data = {"route": _text(route), "fp": _text(fp), "model": _text(model), "host": host, "state": state}
+        self._queue.put("lease", {**data, "created": float(created), "last_used": float(last_used)})
 
     def delete_lease(self, route: str, fp: str, model: str) -> None:
-        self._put("unlease", {"route": route, "fp": fp, "model": model})
+        self._queue.put("unlease", {"route": _text(route), "fp": _text(fp), "model": _text(model)})
 
     def record_event(
         self,
@@ -527,8 +399,9 @@ class Store:
         to_host: str | None,
         reason: str,
     ) -> None:
-        data = {"ts": float(ts), "route": route, "fp": fp, "model": model, "reason": reason}
-        self._put("event", {**data, "from_host": from_host, "to_host": to_host})
+        data = {"ts": float(ts), "route": _text(route), "fp": _text(fp), "model": _text(model)}
+        data["reason"] = reason
+        self._queue.put("event", {**data, "from_host": from_host, "to_host": to_host})
         for listener in self._event_listeners:
             try:
                 listener(reason)
@@ -541,182 +414,77 @@ class Store:
 
     def record_request(self, row: dict[str, Any]) -> None:
         try:
-            values = _request_values(row, self.clock())
-        except (TypeError, ValueError) as exc:
+            values, bad = _request_values(row, self.clock())
+        except (TypeError, ValueError, OverflowError) as exc:
             log.warning("store: request row not recorded: %s", exc)
-            with self._lock:
-                self.dropped += 1
+            self._queue.count_dropped()
             return
-        self._put("request", values)
+        if bad:
+            self._count_bad_figures(bad)
+        self._queue.put("request", values)
+
+    def _count_bad_figures(self, n: int) -> None:
+        with self._bad_lock:
+            first = self.bad_figures == 0
+            self.bad_figures += n
+        if first:
+            log.warning("store: a request row had figures out of range; they are stored as unknown (NULL)")
 
     def record_health(self, ts: float, host: str, healthy: bool, loaded_models: Sequence[str]) -> None:
         models = json.dumps([str(m) for m in loaded_models])
         data = {"ts": float(ts), "host": host, "healthy": bool(healthy)}
-        self._put("health", {**data, "loaded_models": models})
+        self._queue.put("health", {**data, "loaded_models": models})
+
+    def publish(self, change: Change) -> None:
+        """Tell the other instances sharing the database about `change`, in the transaction of the
+        writes enqueued before it (a no-op on SQLite: there is no other instance)."""
+        if not self.postgres:
+            return
+        change = replace(change, instance=self.shared.instance if self.shared else "")
+        payload = change.payload()
+        if len(payload.encode()) > MAX_PAYLOAD:
+            log.warning("store: a %s change is too large to publish (%d bytes)", change.kind, len(payload))
+            self._queue.count_dropped()
+            return
+        self._queue.put("notify", {"c": CHANNEL, "p": payload})
 
     def schedule_rollup(self, older_than: float) -> None:
         """Have the writer thread run `rollup(older_than)` after everything enqueued so far."""
-        self._put("rollup", {"older_than": float(older_than)})
+        self._queue.put("rollup", {"older_than": float(older_than)})
 
-    def _put(self, kind: str, data: dict[str, Any]) -> None:
-        with self._lock:
-            if self._closed:
-                self.dropped += 1
-                return
-            self._seq += 1
-            droppable = kind in ("request", "health")
-            queued = len(self._ordered) + len(self._rows)
-            (self._rows if droppable else self._ordered).append(_Op(self._seq, kind, data))
-            if self.pending > self.max_pending:
-                self._drop_oldest()
-            if queued == 0 or queued + 1 >= BATCH:  # the writer only needs waking for these
-                self._has_work.notify()
+    # -- the writer thread's sink ---------------------------------------------------------------
 
-    def _drop_oldest(self) -> None:
-        """Under the lock: shed the oldest request/health rows down to max_pending."""
-        shed = 0
-        while self._rows and self.pending > self.max_pending:
-            self._rows.popleft()
-            shed += 1
-        self.dropped += shed
-        if shed and not self._dropping:
-            self._dropping = True
-            log.warning("store: more than %d operations pending, dropping the oldest rows", self.max_pending)
-
-    def _done_upto(self) -> int:
-        """Under the lock: every operation with seq <= this is committed (or dropped)."""
-        heads = [q[0].seq for q in (self._ordered, self._rows) if q]
-        if self._inflight_first is not None:
-            heads.append(self._inflight_first)
-        return min(heads) - 1 if heads else self._seq
-
-    # -- the writer thread ----------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            batch = self._take()
-            if batch is None:
-                return
-            self._write(batch)
-            with self._lock:
-                self._inflight = 0
-                self._inflight_first = None
-                self._committed.notify_all()
-
-    def _take(self) -> list[_Op] | None:
-        """Block for work; pop up to BATCH operations in enqueue order (None when stopping)."""
-        with self._lock:
-            self._has_work.wait_for(lambda: self._stop or self._ordered or self._rows)
-            self._linger()
-            if self._stop:
-                return None
-            batch: list[_Op] = []
-            while len(batch) < BATCH and (self._ordered or self._rows):
-                batch.append(self._pop_next())
-            self._inflight = len(batch)
-            self._inflight_first = batch[0].seq
-            if not self._rows:
-                self._dropping = False
-            return batch
-
-    def _linger(self) -> None:
-        """Under the lock: let a batch gather for up to LINGER unless someone waits for it."""
-        deadline = time.monotonic() + self.linger
-        while not (self._stop or self._urgent or len(self._ordered) + len(self._rows) >= BATCH):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._has_work.wait(remaining)
-
-    def _pop_next(self) -> _Op:
-        if not self._rows:
-            return self._ordered.popleft()
-        if not self._ordered or self._rows[0].seq < self._ordered[0].seq:
-            return self._rows.popleft()
-        return self._ordered.popleft()
-
-    def _write(self, batch: list[_Op]) -> None:
-        """Commit the batch, retrying with backoff until it lands or the store is closed."""
-        delay = BACKOFF_FIRST
-        while batch and not self._stop:
-            try:
-                self._commit(batch)
-            except OperationalError as exc:  # locked, read-only, disk full, cannot open: retry
-                self._failed(exc)
-                self._reconnect(exc)
-            except Exception as exc:  # the database refuses something in the batch: isolate it
-                self._failed(exc)
-                batch = self._write_each(batch)
-            else:
-                self._succeeded(len(batch))
-                return
-            if batch:
-                self._backoff(delay)
-                delay = min(delay * 2, BACKOFF_MAX)
-
-    def _commit(self, ops: list[_Op]) -> None:
+    def commit(self, ops: list[Op]) -> None:
         assert self._writer is not None
-        if not os.path.exists(self.path):  # deleted under an open connection, writes would vanish
+        if self.path and not os.path.exists(self.path):  # deleted under an open connection
+
             gone = sqlite3.OperationalError(f"database file {self.path} is gone")
             raise OperationalError("commit", None, gone)
         with self._writer.begin() as conn:
             self._apply(conn, ops)
 
-    def _write_each(self, batch: list[_Op]) -> list[_Op]:
-        """Write ops one per transaction, dropping those refused; return the rest on a transient error."""
-        for i, op in enumerate(batch):
-            try:
-                self._commit([op])
-            except OperationalError:
-                return batch[i:]
-            except Exception as exc:
-                log.error("store: dropping a %s operation the database refuses: %s", op.kind, _one_line(exc))
-                with self._lock:
-                    self.dropped += 1
-            else:
-                self._succeeded(1)
-        return []
+    @staticmethod
+    def transient(exc: Exception) -> bool:
+        return backend.transient(exc)
 
-    def _failed(self, exc: BaseException) -> None:
-        message = _one_line(exc)
-        with self._lock:
-            self.errors += 1
-            self.last_error = message
-            first = not self._failing
-            self._failing = True
-        if first:
-            log.warning("store: cannot write to %s (%s); keeping rows and retrying", self.path, message)
-
-    def _succeeded(self, count: int) -> None:
-        with self._lock:
-            self.written += count
-            recovered = self._failing
-            self._failing = False
-        if recovered:
-            log.info("store: writing to %s again (%d errors so far)", self.path, self.errors)
-
-    def _reconnect(self, exc: OperationalError) -> None:
+    def recover(self, exc: Exception) -> None:
         """Drop pooled connections (the file may have been replaced); recreate a vanished file.
 
         A missing directory is not recreated (it may be an unmounted disk): rows wait for it.
         """
-        assert self._writer is not None
+        assert self._writer is not None and self.db is not None
         self._writer.dispose()
-        if "no such table" in _one_line(exc) or not os.path.exists(self.path):
+        if "no such table" in one_line(exc) or (self.path and not os.path.exists(self.path)):
             try:
-                _create_schema(self._writer_url())
-            except SQLAlchemyError as again:
-                log.debug("store: cannot recreate schema: %s", _one_line(again))
-
-    def _backoff(self, delay: float) -> None:
-        self._wake.wait(delay)
-        self._wake.clear()
+                backend.prepare(self.db, self._writer_url())
+            except (SQLAlchemyError, OSError) as again:
+                log.debug("store: cannot recreate schema: %s", one_line(again))
 
     # -- applying a batch -----------------------------------------------------------------------
 
-    def _apply(self, conn: Connection, ops: list[_Op]) -> None:
+    def _apply(self, conn: Connection, ops: list[Op]) -> None:
         """Write ops in order; a rollup sees every row enqueued before it."""
-        segment: list[_Op] = []
+        segment: list[Op] = []
         for op in ops:
             if op.kind != "rollup":
                 segment.append(op)
@@ -727,9 +495,9 @@ class Store:
             log.info("store: rolled %d request rows up into requests_daily", self.last_rollup)
         self._apply_segment(conn, segment)
 
-    def _apply_segment(self, conn: Connection, ops: list[_Op]) -> None:
-        leases: dict[tuple[str, str, str], _Op] = {}
-        rows: dict[str, list[dict[str, Any]]] = {"event": [], "request": [], "health": []}
+    def _apply_segment(self, conn: Connection, ops: list[Op]) -> None:
+        leases: dict[tuple[str, str, str], Op] = {}
+        rows: dict[str, list[dict[str, Any]]] = {"event": [], "request": [], "health": [], "notify": []}
         for op in ops:
             if op.kind in ("lease", "unlease"):
                 leases.pop(_lease_key(op), None)  # the last operation on a key wins
@@ -740,25 +508,29 @@ class Store:
         for kind, table in (("event", EVENTS), ("request", REQUESTS), ("health", HEALTH)):
             if rows[kind]:
                 conn.execute(insert(table), rows[kind])
+        for notify in rows["notify"]:  # delivered when this transaction commits
+            conn.execute(text("SELECT pg_notify(:c, :p)"), notify)
 
     @staticmethod
-    def _apply_leases(conn: Connection, ops: Sequence[_Op]) -> None:
+    def _apply_leases(conn: Connection, ops: Sequence[Op]) -> None:
         saves = [op.data for op in ops if op.kind == "lease"]
         deletes = [{f"k_{k}": v for k, v in op.data.items()} for op in ops if op.kind == "unlease"]
         if saves:
-            conn.execute(_lease_upsert(), saves)
+            conn.execute(_lease_upsert(conn), saves)
         if deletes:
             conn.execute(_lease_delete(), deletes)
 
     @staticmethod
     def _rollup(conn: Connection, older_than: float) -> int:
-        conn.execute(_daily_upsert(older_than))
+        conn.execute(_daily_upsert(conn, older_than))
         conn.execute(delete(HEALTH).where(HEALTH.c.ts < older_than))
+        conn.execute(delete(EVENTS).where(EVENTS.c.ts < older_than))
         return conn.execute(delete(REQUESTS).where(REQUESTS.c.started < older_than)).rowcount
 
     def rollup(self, older_than: float) -> int:
         """Move `requests` rows older than `older_than` into `requests_daily`, in one transaction;
-        health observations that old are deleted (uptime covers at most the retention period).
+        health observations and lease events that old are deleted (uptime and the event log cover
+        at most the retention period).
 
         The synchronous implementation (tests call it directly); the proxy uses `schedule_rollup`.
         """
@@ -780,8 +552,9 @@ class Store:
 
     def leases(self) -> list[LeaseRow]:
         with self._session() as session:
-            stmt = select(LeaseRow).order_by(LEASES.c.route, LEASES.c.fp, LEASES.c.model)
-            return list(session.scalars(stmt))
+            rows = list(session.scalars(select(LeaseRow)))
+        # sorted here: PostgreSQL's collation need not order text the way SQLite's binary one does
+        return sorted(rows, key=lambda r: (r.route, r.fp, r.model))
 
     def lease_events(self, limit: int = 100) -> list[LeaseEventRow]:
         """The newest `limit` lease events, newest first."""
@@ -803,7 +576,10 @@ class Store:
         if by not in USAGE_KEYS:
             raise ValueError(f"usage: by must be one of {', '.join(USAGE_KEYS)}, not {by!r}")
         with self._session() as session:
-            return [dict(row._mapping) for row in session.execute(_usage(by, since))]
+            rows = session.execute(_usage(by, since)).all()
+        # PostgreSQL sums bigints as numeric: every backend answers plain ints, in binary key order
+        return sorted(({"key": key, **{c: int(v) for c, v in zip(_USAGE_SUMS, sums, strict=True)}}
+                       for key, *sums in rows), key=lambda r: r["key"])
 
     def host_uptime(self, since: float) -> dict[str, float]:
         """Share of healthy poller observations per host since `since`."""
@@ -812,7 +588,6 @@ class Store:
             select(h.c.host, func.avg(h.c.healthy.cast(Integer)))
             .where(h.c.ts >= since)
             .group_by(h.c.host)
-            .order_by(h.c.host)
         )
         with self._session() as session:
-            return {host: float(share) for host, share in session.execute(stmt)}
+            return {host: float(share) for host, share in sorted(session.execute(stmt))}

@@ -3,6 +3,9 @@
 llama-server (b11312) puts `timings` on the finish chunk of a stream when the client did not ask
 for usage, and sends an extra `choices: []` chunk with `usage` + `timings` when it did. A
 non-streamed reply carries both at the top level. Absent figures stay None (never 0).
+
+An upstream is not trusted: a figure outside a sane range (more tokens than any context holds, a
+cached part larger than the prompt) is stored as unknown (None) and counted in `Usage.dropped`.
 """
 
 from __future__ import annotations
@@ -11,10 +14,16 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_LINE = 1024 * 1024  # longer SSE lines are forwarded but not scanned
+MAX_TOKENS = 1 << 30  # no context or answer comes near this; larger figures are not believed
+MAX_MILLIS = 30 * 86400 * 1000.0
+WHOLE_BODY_MAX = 256 * 1024  # a larger non-streamed reply is not parsed whole
+EDGE_BYTES = 64 * 1024  # ... but read for usage at its start and its end
+MEMBER_MAX = 16 * 1024  # a `usage` or `timings` object is far shorter
+_DECODER = json.JSONDecoder()
 
 _DATA = b"data:"
 _DONE = b"[DONE]"
@@ -30,6 +39,7 @@ class Usage:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     predicted_ms: float | None = None
+    dropped: int = field(default=0, compare=False)  # out-of-range figures (stored as None)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -38,22 +48,32 @@ class Usage:
         return self.completion_tokens / self.predicted_ms * 1000.0
 
 
-def _count(value: Any) -> int | None:
-    """A token count: a non-negative int (an integral float is accepted), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if value >= 0 else None
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    return None
+class _Figures:
+    """Reads figures from one reply object and counts the ones that are present but out of range."""
 
+    def __init__(self) -> None:
+        self.dropped = 0
 
-def _millis(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    def count(self, value: Any) -> int | None:
+        """A token count: an int in 0..MAX_TOKENS (an integral float is accepted), else None."""
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS:
+            return value
+        self.dropped += 1
         return None
-    value = float(value)
-    return value if math.isfinite(value) and value >= 0 else None
+
+    def millis(self, value: Any) -> float | None:
+        if value is None:
+            return None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            ms = float(value)
+            if math.isfinite(ms) and 0 <= ms <= MAX_MILLIS:
+                return ms
+        self.dropped += 1
+        return None
 
 
 def _first(*values: int | None) -> int | None:
@@ -76,14 +96,22 @@ def usage_from_object(obj: Mapping[str, Any]) -> Usage | None:
     timings = timings or {}
     details = usage.get("prompt_tokens_details")
     details = details if isinstance(details, Mapping) else {}
-    prompt_n = _count(timings.get("prompt_n"))
-    cache_n = _count(timings.get("cache_n"))
+    fig = _Figures()
+    prompt_n = fig.count(timings.get("prompt_n"))
+    cache_n = fig.count(timings.get("cache_n"))
     from_timings = prompt_n + cache_n if prompt_n is not None and cache_n is not None else None
+    prompt = _first(fig.count(usage.get("prompt_tokens")), from_timings)
+    cached = _first(cache_n, fig.count(details.get("cached_tokens")))
+    if prompt is not None and cached is not None and cached > prompt:
+        fig.dropped += 1  # a cached part larger than the whole prompt: not believed
+        cached = None
     return Usage(
-        prompt_tokens=_first(_count(usage.get("prompt_tokens")), from_timings),
-        cached_tokens=_first(cache_n, _count(details.get("cached_tokens"))),
-        completion_tokens=_first(_count(usage.get("completion_tokens")), _count(timings.get("predicted_n"))),
-        predicted_ms=_millis(timings.get("predicted_ms")),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=_first(fig.count(usage.get("completion_tokens")),
+                                 fig.count(timings.get("predicted_n"))),
+        predicted_ms=fig.millis(timings.get("predicted_ms")),
+        dropped=fig.dropped,
     )
 
 
@@ -95,20 +123,63 @@ def merge(a: Usage | None, b: Usage | None) -> Usage | None:
         return a
     merged = Usage()
     for f in fields(Usage):
+        if f.name == "dropped":
+            continue
         later = getattr(b, f.name)
         setattr(merged, f.name, later if later is not None else getattr(a, f.name))
+    merged.dropped = a.dropped + b.dropped
     return merged
 
 
 def usage_from_body(body: bytes | None) -> Usage | None:
-    """Figures from a non-streamed JSON reply; None when there are none or it does not parse."""
+    """Figures from a non-streamed JSON reply; None when there are none or it does not parse.
+
+    A reply over WHOLE_BODY_MAX is not parsed whole (that would hold up every other stream): its
+    `usage` and `timings` objects are read from its first and last EDGE_BYTES only.
+    """
     if not body:
         return None
+    if len(body) > WHOLE_BODY_MAX:
+        return _usage_from_edges(body)
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
     return usage_from_object(obj) if isinstance(obj, dict) else None
+
+
+def _usage_from_edges(body: bytes) -> Usage | None:
+    """llama-server writes `usage` and `timings` after the choices of a completion and `usage`
+    before the vectors of an embeddings reply: each is looked for near the end, then the start."""
+    found: dict[str, Any] = {}
+    for name in ("usage", "timings"):
+        value = _member_near_edges(body, b'"%s"' % name.encode())
+        if value is not None:
+            found[name] = value
+    return usage_from_object(found) if found else None
+
+
+def _member_near_edges(body: bytes, key: bytes) -> dict[str, Any] | None:
+    tail = max(len(body) - EDGE_BYTES, EDGE_BYTES)
+    for at in (body.rfind(key, tail), body.find(key, 0, EDGE_BYTES)):
+        # a key (not text inside a string: a quote there is escaped); its value must be an object
+        if at > 0 and body[at - 1] != 0x5C:
+            value = _object_at(body, at + len(key))
+            if value is not None:
+                return value
+    return None
+
+
+def _object_at(body: bytes, at: int) -> dict[str, Any] | None:
+    """The JSON object after the `:` that follows body[at], when it ends within MEMBER_MAX bytes."""
+    rest = body[at:at + MEMBER_MAX].decode("utf-8", "replace").lstrip()
+    if not rest.startswith(":"):
+        return None
+    try:
+        value, _ = _DECODER.raw_decode(rest[1:].lstrip())
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class SSETap:

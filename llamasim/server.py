@@ -322,6 +322,21 @@ class PromptCache:
         return best_n, best
 
 
+def timings_json(cache_n: int, prompt_n: int, prompt_ms: float, predicted_n: int,
+                 predicted_ms: float) -> dict[str, Any]:
+    """llama-server's `timings` object (b11312 keys and arithmetic)."""
+    p_ms = max(round(prompt_ms, 3), 1e-3)
+    g_ms = max(round(predicted_ms, 3), 1e-3)
+    per = max(predicted_n - 1, 1)
+    return {
+        "cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": p_ms,
+        "prompt_per_token_ms": p_ms / max(prompt_n, 1),
+        "prompt_per_second": 1e3 / p_ms * prompt_n,
+        "predicted_n": predicted_n, "predicted_ms": g_ms,
+        "predicted_per_token_ms": g_ms / per, "predicted_per_second": 1e3 / g_ms * per,
+    }
+
+
 @dataclass
 class Job:
     prompt: bytes
@@ -350,17 +365,7 @@ class Job:
             raise ClientGone()
 
     def timings(self) -> dict[str, Any]:
-        p_ms = max(round(self.t_prompt_ms, 3), 1e-3)
-        g_ms = max(round(self.t_gen_ms, 3), 1e-3)
-        n_gen = len(self.text)
-        per = max(n_gen - 1, 1)
-        return {
-            "cache_n": self.cache_n, "prompt_n": self.prompt_n, "prompt_ms": p_ms,
-            "prompt_per_token_ms": p_ms / max(self.prompt_n, 1),
-            "prompt_per_second": 1e3 / p_ms * self.prompt_n,
-            "predicted_n": n_gen, "predicted_ms": g_ms,
-            "predicted_per_token_ms": g_ms / per, "predicted_per_second": 1e3 / g_ms * per,
-        }
+        return timings_json(self.cache_n, self.prompt_n, self.t_prompt_ms, len(self.text), self.t_gen_ms)
 
     def usage(self) -> dict[str, Any]:
         n_gen = len(self.text)
@@ -527,7 +532,7 @@ class Engine:
         self._kv_grow(job, job.n_prompt)
         job.check()
         slot.tokens = job.prompt
-        job.t_prompt_ms = (time.perf_counter() - t0) * 1e3
+        job.t_prompt_ms = modelled_ms(job.prompt_n, self.cfg.prompt_ms_per_token, t0)
 
     async def _decode(self, job: Job, slot: Slot, sink: Sink) -> None:
         room = self.n_ctx_slot - job.n_prompt
@@ -546,7 +551,7 @@ class Engine:
                 self.metrics.busy_slot_sum += self.processing
                 await sink.token(piece)
         finally:
-            job.t_gen_ms = (time.perf_counter() - t0) * 1e3
+            job.t_gen_ms = modelled_ms(len(job.text), self.cfg.token_ms, t0)
 
     def _kv_grow(self, job: Job, n: int) -> None:
         job.kv += n
@@ -611,6 +616,14 @@ class Engine:
             lines += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
                       f"llamacpp:{name} {float(value):g}"]
         return "\n".join(lines) + "\n"
+
+
+def modelled_ms(n_tokens: int, ms_per_token: float, t0: float) -> float:
+    """Time a phase reports in `timings`: the time model's when it has one (so learned rates are
+    exactly the configured ones, whatever the event loop's jitter), else the measured time."""
+    if ms_per_token > 0:
+        return n_tokens * ms_per_token
+    return (time.perf_counter() - t0) * 1e3
 
 
 async def pause(ms: float) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from mitmproxy import options
 from mitmproxy.tools.dump import DumpMaster
 
-from crossbar.addon import Crossbar
+from crossbar.addons import Runtime, make_addons
 from llamasim import SimConfig, SimServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ async def sim_fleet(specs: Mapping[str, HostSpec]) -> AsyncIterator[Fleet]:
 @dataclass
 class Proxy:
     port: int
-    addon: Crossbar
+    addon: Runtime  # what crossbar's addons share (config, router, per-connection state)
     master: DumpMaster
     config_path: Path
 
@@ -114,8 +114,8 @@ async def crossbar_proxy(config_path: Path, *, wait_polls: int = 1) -> AsyncIter
     opens the listeners of its TOML, exactly as under `./run.sh`."""
     opts = options.Options(server=False)
     master = DumpMaster(opts, with_termlog=False, with_dumper=False)
-    addon = Crossbar()
-    master.addons.add(addon)
+    addon = Runtime()
+    master.addons.add(*make_addons(addon))
     master.options.update(crossbar_config=str(config_path))
     task = asyncio.create_task(master.run())
     ps = master.addons.get("proxyserver")
@@ -323,6 +323,7 @@ class RecordingUpstream:
     chunks: Sequence[bytes]
     extra_headers: Mapping[str, str] = field(default_factory=dict)
     received: list[bytes] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)  # path and query of every request, polls included
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
 
@@ -334,6 +335,7 @@ class RecordingUpstream:
         from aiohttp import web
 
         json_type = {"Content-Type": "application/json"}
+        self.targets.append(request.path_qs)
         if request.method == "GET":
             bodies = {"/health": b'{"status":"ok"}', "/v1/models": b'{"data":[{"id":"m"}]}',
                       "/props": b'{"total_slots":4,"default_generation_settings":{"n_ctx":4096}}'}

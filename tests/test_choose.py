@@ -106,3 +106,36 @@ def test_choose(candidates: list[Candidate], expected: Choice | None) -> None:
 def test_order_of_input_does_not_matter() -> None:
     hosts = [cand("a", free=2, order=0), cand("b", free=2, order=1), cand("c", free=2, order=2)]
     assert choose(hosts) == choose(list(reversed(hosts))) == Choice("a", False)
+
+
+def held(name: str, order: int, *, free: int = 0, slots: int = 1, in_flight: int = 0, queued: int = 0,
+         leases: int = 0, busy: float = 0.0, weight: float = 1.0) -> Candidate:
+    return Candidate(name, True, False, True, True, free, weight, queued, order, slots=slots,
+                     in_flight=in_flight, active_leases=leases, recent_busy=busy)
+
+
+HELD: list[tuple[str, list[Candidate], str]] = [
+    ("all busy: fewer conversations held wins over config order",
+     [held("a", 0, in_flight=1, leases=3), held("b", 1, in_flight=1, leases=1)], "b"),
+    ("all busy: less recent busy time wins",
+     [held("a", 0, in_flight=1, leases=1, busy=0.95), held("b", 1, in_flight=1, leases=1, busy=0.4)], "b"),
+    ("a free slot wins over held work: the turn starts now",
+     [held("a", 0, in_flight=1, leases=1), held("b", 1, free=1, leases=4, busy=0.9)], "b"),
+    ("same free slots: the host holding less",
+     [held("a", 0, free=1, leases=4, busy=0.9), held("b", 1, free=1, in_flight=1, leases=1)], "b"),
+    ("held work is per slot: two slots hold twice as much",
+     [held("a", 0, in_flight=1, leases=3), held("b", 1, slots=2, in_flight=2, leases=3)], "b"),
+    ("held work is per weight",
+     [held("a", 0, in_flight=1, leases=2), held("b", 1, in_flight=1, leases=3, weight=2.0)], "b"),
+    ("queued requests count as held work",
+     [held("a", 0, in_flight=1, queued=2, leases=1), held("b", 1, in_flight=1, leases=2)], "b"),
+    ("zero weight ranks last", [held("a", 0, weight=0.0), held("b", 1, leases=5)], "b"),
+    ("equal holdings: free slots, then config order",
+     [held("a", 0, leases=1), held("b", 1, free=1, leases=1), held("c", 2, free=1, leases=1)], "b"),
+]
+
+
+@pytest.mark.parametrize(("candidates", "expected"), [h[1:] for h in HELD], ids=[h[0] for h in HELD])
+def test_choose_by_held_work(candidates: list[Candidate], expected: str) -> None:
+    assert choose(candidates) == Choice(expected, False)
+    assert choose(list(reversed(candidates))) == Choice(expected, False)

@@ -126,7 +126,7 @@ async def test_sdk_retries_a_503_queue_full_and_honours_retry_after(tmp_path: Pa
             await client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
             long = asyncio.create_task(client.chat.completions.create(
                 model=MODEL, messages=MSGS, max_tokens=40))  # ~0.8 s holding the only slot
-            await wait_until(lambda: proxy.router.limiter.in_flight("a", MODEL) == 1, what="slot taken")
+            await wait_until(lambda: proxy.router.in_flight("a", MODEL) == 1, what="slot taken")
             raw = await client.chat.completions.with_raw_response.create(
                 model=MODEL, messages=[{"role": "user", "content": "other"}], max_tokens=2)
             second = raw.parse()
@@ -151,7 +151,7 @@ async def test_the_503_carries_an_honest_retry_after(tmp_path: Path) -> None:
             assert resp.status == 200
         long = asyncio.create_task(s.post(f"{proxy.url}/r/v1/chat/completions",
                                           json={"messages": MSGS, "max_tokens": 40}))
-        await wait_until(lambda: proxy.router.limiter.in_flight("a", MODEL) == 1, what="slot taken")
+        await wait_until(lambda: proxy.router.in_flight("a", MODEL) == 1, what="slot taken")
         async with s.post(f"{proxy.url}/r/v1/chat/completions", json=body) as resp:
             status, headers, err = resp.status, dict(resp.headers), await resp.json()
         (await long).release()

@@ -529,7 +529,29 @@ BAD = [
     bad(("routes", "-a"), {}, "bad route name"),
     bad(("routes", "a/b"), {}, "bad route name", key='routes."a/b"'),
     bad(("routes", ""), {}, "bad route name", key='routes.""'),
+    bad("admin_token", "short", "must be at least 16 visible ASCII"),
+    bad("admin_token", "sixteen chars with spaces", "must be at least 16 visible ASCII"),
+    bad("admin_peers", ["talos"], 'needs identity = "tailscale" or "header"'),
+    bad("admin_peers", [], "must not be empty", also=HEADER),
+    bad("admin_names", ["a b"], "not a host name"),
+    bad("admin_names", [], "must not be empty"),
+    bad("head_timeout", "0s", "must be longer than zero"),
+    bad("idle_timeout", 5, "not a duration"),
+    bad("max_head", "1KiB", "must be at least 4096 bytes"),
+    bad("max_connections_per_peer", 0, "must be >= 1"),
+    bad("listen", "[::ffff:0.0.0.0]:7777", ".*every address"),
 ]
+
+
+def test_admin_and_limit_settings() -> None:
+    cfg = parse_config(make((p("identity"), "tailscale"), (p("admin_peers"), ["kyle@github"]),
+                            (p("admin_token"), "0123456789abcdef"), (p("admin_names"), ["Crossbar.TS.net."]),
+                            (p("head_timeout"), "2s"), (p("idle_timeout"), "30s"), (p("max_head"), "16KiB"),
+                            (p("max_connections_per_peer"), 4)))
+    assert (cfg.admin_peers, cfg.admin_token, cfg.admin_names) == (("kyle@github",), "0123456789abcdef",
+                                                                   ("crossbar.ts.net",))
+    limits = (cfg.head_timeout, cfg.idle_timeout, cfg.max_head, cfg.max_connections_per_peer)
+    assert limits == (2, 30, 16384, 4)
 
 
 @pytest.mark.parametrize(("edits", "key", "problem"), BAD)
@@ -562,6 +584,7 @@ FEATURES: list[tuple[str, tuple[Edit, ...], str]] = [
     ("affinity", ((p("routes.t-*.affinity"), "route"),), 'routes."t-*".affinity'),
     ("queue", ((p("routes.a.queue"), False),), "routes.a.queue"),
     ("peers", ((p("identity"), "header"), (p("routes.a.peers"), ["talos"])), "routes.a.peers"),
+    ("yield_factor", ((p("routes.a.yield_factor"), 3),), "routes.a.yield_factor"),
 ]
 
 

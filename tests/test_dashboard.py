@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from harness import HostSpec, Proxy, conversation, crossbar_proxy, sim_fleet, write_config
 
+from crossbar.session import session_fp
 from llamasim import SimConfig
 
 XSS_MODEL = '<img src=x id="xss" onerror="document.title=1">'
@@ -100,7 +101,7 @@ class Tables(HTMLParser):
 
 
 @asynccontextmanager
-async def dashboard_fleet(tmp_path: Path) -> AsyncIterator[Proxy]:
+async def dashboard_fleet(tmp_path: Path, **top: Any) -> AsyncIterator[Proxy]:
     specs = {name: HostSpec({model: {}}, sim=SimConfig(models=[model])) for name, model in HOSTS.items()}
     async with sim_fleet(specs) as fleet:
         hosts = {name: (fleet[name].url, specs[name]) for name in HOSTS}
@@ -108,14 +109,15 @@ async def dashboard_fleet(tmp_path: Path) -> AsyncIterator[Proxy]:
             "webapp": {"hosts": ["alpha-box", "beta-box"], "default_model": "m"},
             "odd": {"hosts": ["gamma-box"], "default_model": XSS_MODEL},
         }
-        cfg = write_config(tmp_path / "crossbar.toml", hosts, routes)
+        cfg = write_config(tmp_path / "crossbar.toml", hosts, routes, **top)
         async with crossbar_proxy(cfg) as proxy:
             yield proxy
 
 
-async def chat(proxy: Proxy, route: str, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+async def chat(proxy: Proxy, route: str, messages: list[dict[str, str]],
+               headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s, s.post(
-        f"{proxy.url}/{route}/v1/chat/completions", json={"messages": messages, **extra}
+        f"{proxy.url}/{route}/v1/chat/completions", json={"messages": messages, **extra}, headers=headers
     ) as resp:
         assert resp.status == 200, await resp.text()
         return await resp.json()
@@ -221,16 +223,20 @@ async def test_dashboard_shows_hosts_then_leases_and_usage_after_traffic(tmp_pat
         for turn in conversation("dash", 3):
             await chat(proxy, "webapp", turn)
         await chat(proxy, "odd", conversation("xss", 1)[0])
+        await chat(proxy, "webapp", conversation("named", 1)[0], headers={"x-session-id": "ses_dash"})
         await asyncio.to_thread(proxy.router.store.flush)
 
         dom = await rendered_dom(proxy, tmp_path)
         after = Tables(dom)
-        lease = proxy.router.leases.leases_of("webapp")[0]
+        lease, named = sorted(proxy.router.leases.leases_of("webapp"), key=lambda x: x.key.fp)  # hash < "s:…"
         leases = after.rows("leases", "fp")
         assert leases[lease.key.fp][:3] == ["webapp", "m", lease.host]
-        assert leases[lease.key.fp][3] == lease.key.fp[:10]
+        assert leases[lease.key.fp][3:5] == ["fingerprint", lease.key.fp[:10]]
+        assert named.key.fp == session_fp("ses_dash")
+        assert leases[named.key.fp][3:5] == ["session", named.key.fp[2:12]]
+        assert "ses_dash" not in dom
         usage = after.rows("usage", "usage")
-        assert usage["webapp"][1] == "3" and usage["odd"][1] == "1"
+        assert usage["webapp"][1] == "4" and usage["odd"][1] == "1"
         assert usage["webapp"][6].endswith("%")  # cache hit of the later turns
         assert "new" in after.rows("events", "event")
 
@@ -268,3 +274,24 @@ async def test_screenshot(tmp_path: Path) -> None:
         await run_chromium(proxy.url + "/_crossbar/", tmp_path / "profile", f"--screenshot={shot}",
                            "--window-size=1280,900")
     assert shot.stat().st_size > 10_000
+
+
+TOKEN = "dashboard-test-token-0123456789"
+
+
+async def test_dashboard_works_behind_admin_token_and_admin_peers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every admin protection on (token, peers by tailscale identity, Host check), the page
+    opened as /_crossbar/#token=… renders; without the token it says how to open it."""
+    from test_e2e_v2 import WHOIS_TALOS, fake_tailscale
+
+    chromium()
+    fake_tailscale(tmp_path, WHOIS_TALOS)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    async with dashboard_fleet(tmp_path, admin_token=TOKEN, identity="tailscale",
+                               admin_peers=["talos"]) as proxy:
+        dom = await run_chromium(f"{proxy.url}/_crossbar/#token={TOKEN}", tmp_path / "p1", "--dump-dom")
+        assert set(Tables(dom).rows("hosts", "host")) == set(HOSTS)
+        dom = await run_chromium(f"{proxy.url}/_crossbar/", tmp_path / "p2", "--dump-dom")
+        assert Tables(dom).rows("hosts", "host") == {}
+        assert "open this page as /_crossbar/#token=" in dom

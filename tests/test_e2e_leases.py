@@ -64,7 +64,8 @@ async def admin(proxy: Proxy, path: str, body: Any = None, raw: bytes | None = N
             async with s.get(proxy.url + "/_crossbar/" + path) as resp:
                 return resp.status, await resp.json()
         data = raw if raw is not None else json.dumps(body).encode()
-        async with s.post(proxy.url + "/_crossbar/" + path, data=data) as resp:
+        async with s.post(proxy.url + "/_crossbar/" + path, data=data,
+                          headers={"Content-Type": "application/json"}) as resp:
             return resp.status, await resp.json(content_type=None)
 
 
@@ -140,7 +141,7 @@ async def test_new_conversations_spread_by_free_slots_times_weight(tmp_path: Pat
             (landed,) = [n for n in specs if fleet[n].stats.completions_started > before[n]]
             placed.append(landed)
         assert placed == expected
-        assert {n: proxy.router.limiter.in_flight(n, "m") for n in specs} == {"a": 4, "b": 2, "c": 3}
+        assert {n: proxy.router.in_flight(n, "m") for n in specs} == {"a": 4, "b": 2, "c": 3}
 
 
 # ---------------------------------------------------------------- 3. restart
@@ -277,10 +278,10 @@ async def test_a_client_that_leaves_during_a_5xx_retry_stops_the_retry(tmp_path:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await wait_until(lambda: fleet["b"].stats.aborted == 1, timeout=10, what="b stops generating")
-        await wait_until(lambda: proxy.router.limiter.in_flight("b", "m") == 0, what="the slot freed")
+        await wait_until(lambda: proxy.router.in_flight("b", "m") == 0, what="the slot freed")
         row = await last_row(proxy)
         assert row.host == "b" and row.err and "client" in row.err
-        assert not proxy.addon._current  # nothing kept for a connection that is gone
+        assert not proxy.addon.current  # nothing kept for a connection that is gone
 
 
 # ---------------------------------------------------------------- 8. pin, release, drain
@@ -400,7 +401,7 @@ def _stream_body(session_name: str) -> dict[str, Any]:
 
 
 async def _queued(proxy: Proxy, n: int) -> None:
-    await wait_until(lambda: proxy.router.limiter.queued("a", "m") == n, 5, what=f"{n} queued")
+    await wait_until(lambda: proxy.router.queued("a", "m") == n, 5, what=f"{n} queued")
 
 
 async def test_one_slot_one_queue_place_then_503(tmp_path: Path) -> None:
@@ -515,4 +516,4 @@ async def test_a_host_that_never_answers_is_cut_after_first_byte_timeout(tmp_pat
         row = await last_row(proxy)
         assert row.err and "first byte" in row.err
         assert (await host_view(proxy, "a"))["healthy"] is False
-        assert proxy.router.limiter.in_flight("a", "m") == 0
+        assert proxy.router.in_flight("a", "m") == 0

@@ -162,7 +162,7 @@ async def test_a_host_that_never_answers_is_cut_after_first_byte_timeout(tmp_pat
         status, _, body = await post(f"{proxy.url}/r{CHAT}", {"messages": MSGS, "stream": True})
         waited = time.monotonic() - t0
         healthy = proxy.router.fleet.healthy("a")
-        in_flight = proxy.router.limiter.in_flight("a", "m")
+        in_flight = proxy.router.in_flight("a", "m")
         rows = await request_rows(proxy)
     assert status == 502, body
     assert 0.9 < waited < 15
@@ -199,7 +199,7 @@ async def test_a_stream_cut_mid_way_frees_its_slot_and_the_next_turn_runs_at_onc
             assert resp.status == 200
             with pytest.raises(aiohttp.ClientPayloadError):
                 await resp.read()
-        await wait_until(lambda: proxy.router.limiter.in_flight("a", "m") == 0, what="slot freed")
+        await wait_until(lambda: proxy.router.in_flight("a", "m") == 0, what="slot freed")
         fleet["a"].set(die_after_events=0)
         status, _, body = await post(f"{proxy.url}/r{CHAT}", {"messages": turns[1], "stream": True})
         rows = await request_rows(proxy)

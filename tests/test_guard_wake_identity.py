@@ -29,19 +29,53 @@ def test_fits(tokens: int, n_ctx: int, ok: bool) -> None:
 
 def test_estimate_defaults_to_bytes_over_4_times_1_2() -> None:
     est = TokenEstimator()
-    assert est.estimate("m", 0) == 0
-    assert est.estimate("m", 1000) == 300
-    assert est.estimate("m", 4) == 2
+    assert est.estimate("a", "m", 0) == 0
+    assert est.estimate("a", "m", 1000) == 300
+    assert est.estimate("a", "m", 4) == 2
+    assert est.plain(1000) == 300
 
 
-def test_estimator_learns_the_models_tokens_per_byte() -> None:
+CHAT = "/v1/chat/completions"
+
+
+def test_estimator_learns_the_tokens_per_byte_of_a_host_and_model() -> None:
     est = TokenEstimator()
-    est.learn("m", 3000, 3019)  # the lab's tiny model: about one token per byte
-    assert est.estimate("m", 3000) == 3019  # measured on the model itself: no margin
-    assert est.estimate("other", 3000) == 900  # other models keep the default
-    est.learn("m", 100, 50_000)  # too short to say anything about the tokenizer
-    est.learn("m", 5000, None)
-    assert est.estimate("m", 3000) == 3019
+    est.learn("a", "m", CHAT, 3000, 3019)  # the lab's tiny model: about one token per byte
+    assert est.estimate("a", "m", 3000) == 3019  # measured on the model itself: no margin
+    assert est.estimate("a", "other", 3000) == 900  # other models keep the default
+    assert est.estimate("b", "m", 3000) == 900  # and so do other hosts
+    est.learn("a", "m", CHAT, 100, 50_000)  # too short to say anything about the tokenizer
+    est.learn("a", "m", CHAT, 5000, None)
+    assert est.estimate("a", "m", 3000) == 3019
+
+
+@pytest.mark.parametrize(("path", "prompt_bytes", "tokens", "learned"), [
+    ("/v1/embeddings", 256, 90_256, None),  # token arrays: not text, never a sample
+    (CHAT, 500, 1_000_000_000, None),  # a host reporting 1e9: outside the band
+    (CHAT, 1000, 1, None),  # 0.001 tokens per byte: outside the band
+    (CHAT, 1000, 1500, 1.5),  # the band's edge is believed
+    ("/v1/completions", 1000, 300, 0.3),
+])
+def test_learning_is_bounded(path: str, prompt_bytes: int, tokens: int, learned: float | None) -> None:
+    est = TokenEstimator()
+    est.learn("a", "m", path, prompt_bytes, tokens)
+    assert est.ratio("a", "m") == learned
+
+
+def test_outliers_are_ignored_unless_they_agree_and_the_ratio_is_forgotten_in_time() -> None:
+    now = [0.0]
+    est = TokenEstimator(clock=lambda: now[0], forget_after=100)
+    est.learn("a", "m", CHAT, 1000, 250)
+    est.learn("a", "m", CHAT, 1000, 1400)  # 5.6× off: an outlier
+    assert est.ratio("a", "m") == 0.25
+    est.learn("a", "m", CHAT, 1000, 270)  # a believed sample resets the run of outliers
+    assert est.ratio("a", "m") == pytest.approx(0.256)
+    for _ in range(3):  # the model really changed: three outliers that agree re-seed it
+        est.learn("a", "m", CHAT, 1000, 1000)
+    assert est.ratio("a", "m") == 1.0
+    now[0] = 101.0  # unconfirmed for longer than forget_after: back to the plain estimate
+    assert est.ratio("a", "m") is None
+    assert est.estimate("a", "m", 1000) == 300
 
 
 @pytest.mark.skipif(not SAMPLES.is_dir(), reason="llama-lab samples not available")
@@ -51,10 +85,10 @@ def test_learned_estimate_is_better_than_bytes_over_4_on_the_real_servers_counts
     overflow_tokens = load("single/overflow_nonstream.txt").json()["error"]["n_prompt_tokens"]
     cached_tokens = load("single/cache_run1.txt").json()["usage"]["prompt_tokens"]
     fixed = TokenEstimator()
-    assert fixed.estimate("tiny", 1200) < cached_tokens / 3
+    assert fixed.estimate("h", "tiny", 1200) < cached_tokens / 3
     learned = TokenEstimator()
-    learned.learn("tiny", 3000, overflow_tokens)
-    guess = learned.estimate("tiny", 1200)
+    learned.learn("h", "tiny", CHAT, 3000, overflow_tokens)
+    guess = learned.estimate("h", "tiny", 1200)
     assert abs(guess - cached_tokens) <= cached_tokens * 0.05
 
 
@@ -140,7 +174,11 @@ WHOIS = {
 
 
 def test_names_from_whois() -> None:
-    assert names_from_whois(WHOIS) == {"talos", "talos.tail1a2b.ts.net", "talos-box", "kyle@github"}
+    assert names_from_whois(WHOIS) == {"talos", "talos.tail1a2b.ts.net", "kyle@github"}
+    tagged = {"Node": {"Name": "ci-1.tail1a2b.ts.net.", "Tags": ["tag:ci"], "ComputedName": "talos",
+                       "Hostinfo": {"Hostname": "talos"}},
+              "UserProfile": {"LoginName": "tagged-devices"}}
+    assert names_from_whois(tagged) == {"ci-1", "ci-1.tail1a2b.ts.net", "tag:ci"}
     assert names_from_whois([]) == frozenset()
     assert names_from_whois({"Node": "x"}) == frozenset()
 

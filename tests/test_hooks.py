@@ -16,7 +16,8 @@ from mitmproxy import http
 from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.test import taddons, tflow, tutils
 
-from crossbar.addon import META, Crossbar
+from crossbar.addons import Runtime, make_addons
+from crossbar.addons.runtime import META
 from crossbar.admin import Admin
 from crossbar.app import Router
 from crossbar.tap import SSETap
@@ -26,12 +27,30 @@ CHAT_BODY = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "
 
 @dataclass
 class Rig:
-    addon: Crossbar
+    addons: list[Any]
     router: Router
     tctx: Any
 
+    async def hook(self, name: str, flow: http.HTTPFlow) -> None:
+        """Every addon's `name` hook in order, as mitmproxy calls them."""
+        for addon in self.addons:
+            handler = getattr(addon, name, None)
+            if handler is not None:
+                result = handler(flow)
+                if asyncio.iscoroutine(result):
+                    await result
+
     async def request(self, flow: http.HTTPFlow) -> None:
-        await asyncio.wait_for(self.addon.request(flow), 5)  # a slot wait must never hang the suite
+        await asyncio.wait_for(self.hook("request", flow), 5)  # a slot wait must never hang the suite
+
+    async def responseheaders(self, flow: http.HTTPFlow) -> None:
+        await self.hook("responseheaders", flow)
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        await self.hook("response", flow)
+
+    async def error(self, flow: http.HTTPFlow) -> None:
+        await self.hook("error", flow)
 
     async def rows(self) -> list[Any]:
         await asyncio.to_thread(self.router.store.flush)
@@ -49,18 +68,19 @@ async def rig(tmp_path: Path, base_url: str = "http://llama-1.test:8080") -> Asy
     """The addon configured from a TOML in a taddons context, with a hand-built Router."""
     cfg = write_config(tmp_path / "crossbar.toml", {"a": (base_url, HostSpec({"m": {"parallel": 4}}))},
                        {"r": {"hosts": ["a"], "default_model": "m"}})
-    addon = Crossbar()
-    with taddons.context(Proxyserver(), addon) as tctx:  # proxyserver owns the options crossbar sets
-        tctx.configure(addon, crossbar_config=str(cfg))
-        assert addon.cfg is not None
+    rt = Runtime()
+    addons = make_addons(rt)
+    with taddons.context(Proxyserver(), *addons) as tctx:  # proxyserver owns the options crossbar sets
+        tctx.configure(addons[0], crossbar_config=str(cfg))
+        assert rt.cfg is not None
         assert tctx.options.connection_strategy == "lazy"
-        router = Router(addon.cfg)
+        router = Router(rt.cfg)
         router.open()
-        addon.router, addon.admin = router, Admin(router)
+        rt.router, rt.admin = router, Admin(router)
         try:
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr("crossbar.addon.preflight", host_accepts)
-                yield Rig(addon, router, tctx)
+                mp.setattr("crossbar.addons.failover.preflight", host_accepts)
+                yield Rig(addons, router, tctx)
         finally:
             await router.close()
 
@@ -68,9 +88,11 @@ async def rig(tmp_path: Path, base_url: str = "http://llama-1.test:8080") -> Asy
 def make_flow(path: str, body: Any = None, method: str = "POST") -> http.HTTPFlow:
     content = b"" if body is None else json.dumps(body).encode()
     req = tutils.treq(method=method.encode(), host="placeholder", port=9, path=path.encode(),
-                      headers=http.Headers(host="placeholder:9", content_type="application/json"),
+                      headers=http.Headers(host="127.0.0.1:7777", content_type="application/json"),
                       content=content)
-    return tflow.tflow(req=req)
+    flow = tflow.tflow(req=req)
+    flow.client_conn.sockname = ("127.0.0.1", 7777)  # the listener the client reached (its Host)
+    return flow
 
 
 def sse_response() -> http.Response:
@@ -83,13 +105,13 @@ async def test_request_rewrites_the_upstream_and_strips_the_route(tmp_path: Path
         await r.request(f)
         assert f.response is None  # forwarded, not answered
         assert (f.request.scheme, f.request.host, f.request.port) == ("http", "llama-1.test", 8080)
-        assert f.request.path == "/v1/chat/completions?a=1&b=two"
+        assert f.request.path == "/v1/chat/completions"  # parameters crossbar does not document are dropped
         assert f.request.content == json.dumps(CHAT_BODY).encode()  # body untouched
-        assert r.router.limiter.in_flight("a", "m") == 1
+        assert r.router.in_flight("a", "m") == 1
         ex = f.metadata[META]
         assert (ex.host, ex.key.route, ex.key.model, ex.decision) == ("a", "r", "m", "new")
-        await r.addon.response(f)
-        assert r.router.limiter.in_flight("a", "m") == 0
+        await r.response(f)
+        assert r.router.in_flight("a", "m") == 0
 
 
 async def test_request_keeps_the_hosts_base_path(tmp_path: Path) -> None:
@@ -98,7 +120,7 @@ async def test_request_keeps_the_hosts_base_path(tmp_path: Path) -> None:
         await r.request(f)
         assert (f.request.scheme, f.request.host, f.request.port) == ("https", "llama-2.test", 8443)
         assert f.request.path == "/llm/v1/chat/completions"
-        await r.addon.response(f)
+        await r.response(f)
 
 
 async def test_unknown_route_is_a_json_short_circuit(tmp_path: Path) -> None:
@@ -110,7 +132,7 @@ async def test_unknown_route_is_a_json_short_circuit(tmp_path: Path) -> None:
         err = json.loads(f.response.content or b"")["error"]
         assert err["code"] == 404 and err["type"] and "nope" in err["message"]
         assert f.request.host == "placeholder"  # never rewritten towards a host
-        assert r.router.limiter.in_flight("a", "m") == 0
+        assert r.router.in_flight("a", "m") == 0
 
 
 async def test_responseheaders_tees_sse_but_not_json(tmp_path: Path) -> None:
@@ -118,16 +140,16 @@ async def test_responseheaders_tees_sse_but_not_json(tmp_path: Path) -> None:
         sse = make_flow("/r/v1/chat/completions", {**CHAT_BODY, "stream": True})
         await r.request(sse)
         sse.response = sse_response()
-        r.addon.responseheaders(sse)
+        await r.responseheaders(sse)
         assert isinstance(sse.response.stream, SSETap)
 
         plain = make_flow("/r/v1/chat/completions", CHAT_BODY)
         await r.request(plain)
         plain.response = tutils.tresp(headers=http.Headers(content_type="application/json"))
-        r.addon.responseheaders(plain)
+        await r.responseheaders(plain)
         assert not plain.response.stream
         for f in (sse, plain):
-            await r.addon.response(f)
+            await r.response(f)
 
 
 async def test_a_full_cycle_writes_one_row_with_the_usage(tmp_path: Path) -> None:
@@ -138,8 +160,8 @@ async def test_a_full_cycle_writes_one_row_with_the_usage(tmp_path: Path) -> Non
                  "timings": {"cache_n": 10, "prompt_n": 2, "predicted_n": 3}}
         f.response = tutils.tresp(headers=http.Headers(content_type="application/json"),
                                   content=json.dumps(reply).encode())
-        r.addon.responseheaders(f)
-        await r.addon.response(f)
+        await r.responseheaders(f)
+        await r.response(f)
         (row,) = await r.rows()
         assert (row.host, row.status, row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (
             "a", 200, 12, 10, 3)
@@ -150,14 +172,14 @@ async def test_response_then_error_write_exactly_one_row(tmp_path: Path) -> None
         f = make_flow("/r/v1/chat/completions", CHAT_BODY)
         await r.request(f)
         f.response = sse_response()
-        r.addon.responseheaders(f)
-        await r.addon.response(f)
+        await r.responseheaders(f)
+        await r.response(f)
         f.error = tflow.terr("Client disconnected.")
-        r.addon.error(f)
-        await r.addon.response(f)
+        await r.error(f)
+        await r.response(f)
         rows = await r.rows()
         assert len(rows) == 1 and rows[0].status == 200
-        assert r.router.limiter.in_flight("a", "m") == 0
+        assert r.router.in_flight("a", "m") == 0
         assert not r.router.live
 
 
@@ -166,11 +188,11 @@ async def test_error_alone_writes_one_row_and_frees_the_slot(tmp_path: Path) -> 
         f = make_flow("/r/v1/chat/completions", {**CHAT_BODY, "stream": True})
         await r.request(f)
         f.error = tflow.terr("HTTP/1 protocol error: peer closed connection")
-        r.addon.error(f)
-        r.addon.error(f)
+        await r.error(f)
+        await r.error(f)
         (row,) = await r.rows()
         assert row.err and "peer closed" in row.err and row.streamed is True
-        assert r.router.limiter.in_flight("a", "m") == 0
+        assert r.router.in_flight("a", "m") == 0
 
 
 async def test_admin_is_answered_without_an_upstream(tmp_path: Path) -> None:
@@ -182,7 +204,7 @@ async def test_admin_is_answered_without_an_upstream(tmp_path: Path) -> None:
         hosts = json.loads(f.response.content or b"")
         assert set(hosts) == {"a"} and hosts["a"]["healthy"] is True
         assert META not in f.metadata
-        await r.addon.response(f)  # later hooks leave an admin answer alone
+        await r.response(f)  # later hooks leave an admin answer alone
         assert await r.rows() == []
 
 
@@ -191,15 +213,15 @@ async def test_a_bug_in_routing_is_a_json_500_not_a_flow_to_the_placeholder(tmp_
         async def broken(*args: Any, **kwargs: Any) -> None:
             raise RuntimeError("a bug")
 
-        r.router.guard = broken  # type: ignore[method-assign]
+        r.router.lease = broken  # type: ignore[method-assign]
         f = make_flow("/r/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
-        await r.addon.request(f)
+        await r.request(f)
         assert f.response is not None and f.response.status_code == 500
         assert json.loads(f.response.content)["error"]["type"] == "server_error"
         assert f.request.host == "placeholder"  # never rewritten
-        r.addon.error(f)  # what mitmproxy would report for a flow it could not send
+        await r.error(f)  # what mitmproxy would report for a flow it could not send
         assert r.router.fleet.healthy("a")  # the host is not blamed for crossbar's bug
-        assert r.router.limiter.in_flight("a", "m") == 0
+        assert r.router.in_flight("a", "m") == 0
 
 
 async def test_admin_failure_is_a_json_500(tmp_path: Path) -> None:
@@ -209,6 +231,6 @@ async def test_admin_failure_is_a_json_500(tmp_path: Path) -> None:
 
         r.router.store.usage = broken  # type: ignore[method-assign]
         f = make_flow("/_crossbar/usage", method="GET")
-        await r.addon.request(f)
+        await r.request(f)
         assert f.response is not None and f.response.status_code == 500
         assert json.loads(f.response.content)["error"]["code"] == 500

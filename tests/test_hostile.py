@@ -106,7 +106,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         server = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
         cfg = write_config(tmp / "crossbar.toml", {"a": (sim.url, HostSpec({"m": {}}))},
                            {"r": {"hosts": ["a"], "default_model": "m"}},
-                           max_body=MAX_BODY, poll_interval="1s")
+                           max_body=MAX_BODY, poll_interval="1s",
+                           admin_names=["crossbar"])  # the Host these raw requests send
         proxy = start_mitmdump(cfg)
         try:
             yield Rig(proxy, sim, canary, loop)

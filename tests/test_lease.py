@@ -6,17 +6,10 @@ from typing import Any
 
 import pytest
 
-from crossbar.lease import (
-    Decision,
-    Grant,
-    Key,
-    Lease,
-    LeaseError,
-    LeaseTable,
-    NoHost,
-    PinnedDown,
-    UnknownHost,
-)
+from crossbar.choose import Candidate, Choice
+from crossbar.decisions import Decision, Reason
+from crossbar.lease import Key, Lease, LeaseEvent, LeaseTable, UnknownHost
+from crossbar.placement import Ask, Change, LeaseChange, Placement, Refusal, Snapshot, place
 
 R = "proj"
 M = "ornith"
@@ -39,17 +32,9 @@ class FakePersister:
     def delete_lease(self, route: str, fp: str, model: str) -> None:
         self.calls.append(("delete", route, fp, model))
 
-    def record_event(
-        self,
-        ts: float,
-        route: str,
-        fp: str,
-        model: str,
-        from_host: str | None,
-        to_host: str | None,
-        reason: str,
-    ) -> None:
-        self.calls.append(("event", ts, route, fp, model, from_host, to_host, reason))
+    def record_event(self, e: LeaseEvent) -> None:
+        self.calls.append(("event", e.ts, e.key.route, e.key.fp, e.key.model, e.from_host, e.to_host,
+                           str(e.reason)))
 
     def take(self) -> list[tuple[Any, ...]]:
         calls, self.calls = self.calls, []
@@ -75,9 +60,44 @@ class FakeChooser:
     prefer: list[str] = field(default_factory=lambda: list(HOSTS))
     offered: list[tuple[list[str], str]] = field(default_factory=list)
 
-    def __call__(self, eligible: Sequence[str], model: str) -> str | None:
-        self.offered.append((list(eligible), model))
-        return next((h for h in self.prefer if h in eligible), None)
+    def __call__(self, eligible: Sequence[Candidate]) -> Choice | None:
+        names = [c.name for c in eligible]
+        self.offered.append((names, M))
+        host = next((h for h in self.prefer if h in names), None)
+        return Choice(host, loads_model=False) if host else None
+
+
+class LeaseError(Exception):
+    pass
+
+
+class NoHost(LeaseError):
+    pass
+
+
+class PinnedDown(LeaseError):
+    pass
+
+
+@dataclass(frozen=True)
+class Grant:
+    host: str
+    decision: Decision
+    moved_from: str | None = None
+
+
+def acquire(table: LeaseTable, hosts: FakeHosts, chooser: FakeChooser, key: Key, now: float,
+            exclude: Sequence[str] = (), candidates: Sequence[str] = HOSTS) -> Grant:
+    """Place through `crossbar.placement` and apply the lease change, as the router does."""
+    snap = Snapshot({h: Candidate(h, hosts.healthy(h), hosts.draining(h), True, True, 1, 1.0, 0, i)
+                     for i, h in enumerate(candidates)}, {})
+    ask = Ask(key.route, key.model, tuple(candidates), fp=key.fp, excluded=frozenset(exclude))
+    result = place(ask, snap, table.view(key), now, table.idle, pick=chooser)
+    if isinstance(result, Refusal):
+        raise (PinnedDown if "pinned" in result.message else NoHost)(result.message)
+    assert isinstance(result, Placement)
+    table.apply(key, result.change, now)
+    return Grant(result.host, result.decision, result.change.from_host or None)
 
 
 @dataclass
@@ -98,14 +118,21 @@ class World:
     hosts: FakeHosts
     chooser: FakeChooser
 
-    def acquire(self, key: Key, now: float, exclude: Sequence[str] = ()) -> Grant:
-        return self.table.acquire(key, HOSTS, now, exclude)
+    def acquire(self, key: Key, now: float, exclude: Sequence[str] = (),
+                candidates: Sequence[str] = HOSTS) -> Grant:
+        return acquire(self.table, self.hosts, self.chooser, key, now, exclude, candidates)
+
+
+def make_table(persist: FakePersister, **caps: int) -> LeaseTable:
+    table = LeaseTable(persist, IDLE_S, **caps)
+    table.subscribe(persist.record_event)
+    return table
 
 
 @pytest.fixture
 def w() -> World:
     persist, hosts, chooser = FakePersister(), FakeHosts(), FakeChooser()
-    return World(LeaseTable(persist, hosts, chooser, IDLE_S), persist, hosts, chooser)
+    return World(make_table(persist), persist, hosts, chooser)
 
 
 def save(key: Key, host: str, created: float, last_used: float, state: str = "active") -> tuple[Any, ...]:
@@ -147,11 +174,13 @@ def test_next_turn_reuses_the_host_even_when_choose_prefers_another(w: World) ->
     assert w.persist.take() == [save(K1, "alpha", 100.0, 200.0)]
 
 
-def test_touch_records_last_use(w: World) -> None:
+def test_the_end_of_a_request_records_last_use(w: World) -> None:
     w.acquire(K1, 100.0)
     w.persist.take()
-    w.table.touch(K1, 150.0)
-    w.table.touch(K2, 150.0)  # no lease: nothing happens
+    w.table.hold(K1)
+    w.table.unhold(K1, 150.0)
+    w.table.hold(K2)
+    w.table.unhold(K2, 150.0)  # no lease: nothing happens
     assert w.persist.take() == [save(K1, "alpha", 100.0, 150.0)]
     assert w.table.snapshot()[0].last_used == 150.0
 
@@ -181,18 +210,18 @@ def test_recovery_does_not_move_the_lease_back(w: World) -> None:
 def test_exclude_behaves_like_unhealthy(w: World) -> None:
     w.acquire(K1, 100.0)
     w.persist.take()
-    assert w.acquire(K1, 101.0, exclude=["alpha"]) == Grant("beta", Decision.MOVED, moved_from="alpha")
+    assert w.acquire(K1, 101.0, exclude=["alpha"]) == Grant("beta", Decision.RETRIED, moved_from="alpha")
     assert w.persist.take() == [
         save(K1, "beta", 101.0, 101.0),
         event(101.0, K1, "alpha", "beta", "unhealthy"),
     ]
-    assert w.acquire(K2, 102.0, exclude=["alpha", "beta"]) == Grant("gamma", Decision.NEW)
+    assert w.acquire(K2, 102.0, exclude=["alpha", "beta"]) == Grant("gamma", Decision.RETRIED)
     assert w.chooser.offered[-1] == (["gamma"], M)
 
 
 def test_lease_on_a_host_no_longer_in_the_route_moves(w: World) -> None:
     w.acquire(K1, 100.0)
-    grant = w.table.acquire(K1, ["beta", "gamma"], 200.0)
+    grant = w.acquire(K1, 200.0, candidates=["beta", "gamma"])
     assert grant == Grant("beta", Decision.MOVED, moved_from="alpha")
 
 
@@ -246,7 +275,8 @@ def test_no_inheritance_from_an_unusable_route_lease(w: World, trouble: str) -> 
         w.hosts.down.add("beta")
     if trouble == "draining":
         w.hosts.draining_hosts.add("beta")
-    assert w.acquire(K1, 200.0, exclude=exclude) == Grant("alpha", Decision.NEW)
+    expected = Decision.RETRIED if exclude else Decision.NEW  # re-placed after a failure
+    assert w.acquire(K1, 200.0, exclude=exclude) == Grant("alpha", expected)
 
 
 def test_route_lease_does_not_inherit_from_itself(w: World) -> None:
@@ -493,13 +523,15 @@ def test_snapshot_is_sorted_pin_free_and_copied(w: World) -> None:
     ]
     snap[0].host = "mutated"
     assert w.table.snapshot()[0].host == "alpha"
-    assert [lease.key for lease in w.table.leases_of("a")] == [lease.key for lease in snap[:3]]
+    assert sorted(lease.key.fp + lease.key.model for lease in w.table.leases_of("a")) == sorted(
+        lease.key.fp + lease.key.model for lease in snap[:3])
+    assert [lease.key for lease in w.table.leases_of("a", limit=1)] == [keys[3]]  # most recent first
     assert w.table.leases_of("nobody") == []
 
 
 def test_model_less_route_lease_does_not_clobber_the_pin_row(w: World) -> None:
     bare = Key(R, "", "")
-    w.acquire(bare, 100.0)  # alpha
+    w.table.apply(bare, LeaseChange(Change.CREATE, "alpha"), 100.0)  # placement refuses a missing model
     w.persist.take()
     w.table.pin(R, "alpha", HOSTS, 200.0)
     calls = w.persist.take()
@@ -527,17 +559,89 @@ class CountingKey(Key):
 
 def ops_per_acquire(n_leases: int) -> int:
     persist, hosts, chooser = FakePersister(), FakeHosts(), FakeChooser()
-    table = LeaseTable(persist, hosts, chooser, IDLE_S)
+    table = make_table(persist, max_leases=10 * n_leases, max_per_route=10 * n_leases)
     for i in range(n_leases):
-        table.acquire(CountingKey(R, f"fp{i}", M), HOSTS, 0.0)
+        acquire(table, hosts, chooser, CountingKey(R, f"fp{i}", M), 0.0)
     probe = CountingKey(R, "fp0", M)
     fresh = CountingKey(R, "new", M)
     CountingKey.ops = 0
-    table.acquire(probe, HOSTS, 1.0)
-    table.acquire(fresh, HOSTS, 1.0)
-    table.touch(probe, 2.0)
+    acquire(table, hosts, chooser, probe, 1.0)
+    acquire(table, hosts, chooser, fresh, 1.0)
+    table.hold(probe)
+    table.unhold(probe, 2.0)
+    table.view(probe, read=True)
     return CountingKey.ops
 
 
 def test_acquire_cost_does_not_grow_with_the_table() -> None:
     assert ops_per_acquire(10_000) == ops_per_acquire(10)
+
+
+def test_a_read_costs_the_same_whatever_the_route_holds() -> None:
+    persist = FakePersister()
+    table = make_table(persist)
+    hosts, chooser = FakeHosts(), FakeChooser()
+    for i in range(2000):
+        acquire(table, hosts, chooser, Key(R, f"fp{i}", M), float(i))
+    assert table.route_hosts(R, M) == ("alpha",)
+    assert table.route_hosts(R, "") == ("alpha",)
+    assert table.route_hosts(R, "other-model") == ()
+
+
+# ---- in use, caps ------------------------------------------------------------------------------
+
+
+def test_a_lease_in_use_never_idles_out_and_idles_from_its_last_end(w: World) -> None:
+    w.acquire(K1, 0.0)
+    w.table.hold(K1)  # a long request runs
+    assert w.table.expire_idle(10 * IDLE_S) == 0
+    assert w.acquire(K1, 10 * IDLE_S).decision == Decision.REUSED  # the next turn, queued meanwhile
+    end = 10 * IDLE_S + 5
+    w.table.unhold(K1, end)
+    assert w.table.expire_idle(end + IDLE_S) == 0
+    assert w.table.expire_idle(end + IDLE_S + 1) == 1
+
+
+def test_a_full_route_evicts_its_least_recently_used_idle_lease() -> None:
+    persist = FakePersister()
+    table = make_table(persist, max_per_route=2)
+    hosts, chooser = FakeHosts(), FakeChooser()
+    acquire(table, hosts, chooser, K1, 1.0)
+    acquire(table, hosts, chooser, K2, 2.0)
+    table.hold(K1)  # in use: never evicted
+    k3 = Key(R, "fp3", M)
+    persist.take()
+    acquire(table, hosts, chooser, k3, 3.0)
+    assert {lease.key for lease in table.snapshot()} == {K1, k3}
+    assert persist.take()[:2] == [delete(K2), event(3.0, K2, "alpha", None, "evicted")]
+    assert table.evicted == 1
+    acquire(table, hosts, chooser, Key("other", "x", M), 4.0)  # another route has room
+    assert table.count() == 3
+
+
+def test_a_full_table_evicts_across_routes() -> None:
+    table = make_table(FakePersister(), max_leases=2)
+    hosts, chooser = FakeHosts(), FakeChooser()
+    for i, route in enumerate(("r1", "r2", "r3")):
+        acquire(table, hosts, chooser, Key(route, "f", M), float(i))
+    assert sorted(lease.key.route for lease in table.snapshot()) == ["r2", "r3"]
+    assert table.count() == 2
+
+
+def test_listeners_hear_every_event_in_order(w: World) -> None:
+    heard: list[Reason] = []
+    w.table.subscribe(lambda e: heard.append(e.reason))
+    w.acquire(K1, 1.0)
+    w.table.drain("alpha", 2.0)
+    w.hosts.down.add("alpha")
+    w.acquire(K1, 3.0)
+    assert heard == [Reason.NEW, Reason.DRAIN, Reason.UNHEALTHY]
+
+
+def test_the_asking_request_does_not_keep_its_own_lease_from_idling(w: World) -> None:
+    w.acquire(K1, 0.0)
+    w.table.hold(K1)  # the new turn itself, admitted before it is placed
+    assert not w.table.view(K1, own=True).busy
+    assert w.table.view(K1).busy
+    w.table.hold(K1)  # and another turn of it in flight
+    assert w.table.view(K1, own=True).busy

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import quote
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from crossbar.config import RouteConf
@@ -12,16 +13,21 @@ from crossbar.errors import CrossbarError
 from crossbar.request import (
     ALLOWED,
     COMPLETION_PATHS,
+    MODEL_MAX,
+    OFF_LOOP_BYTES,
     BodyPeek,
+    _loads_piecewise,
     fingerprint,
     match_route,
     peek_body,
     resolve,
+    resolve_listener,
     template_matches,
 )
 
 CHAT = "/v1/chat/completions"
 MIB = 1024 * 1024
+KEY = b"k" * 32
 
 
 def _routes(*names: str) -> dict[str, RouteConf]:
@@ -42,12 +48,13 @@ ROUTES = _routes("opencode-a", "v1", "opencode-*", "opencode-*-x", "*-tmp")
         ("POST", "/opencode-a/v1/embeddings", None, "opencode-a", "/v1/embeddings", "/v1/embeddings"),
         ("GET", "/opencode-a/v1/models", None, "opencode-a", "/v1/models", "/v1/models"),
         ("GET", "/opencode-a/health", None, "opencode-a", "/health", "/health"),
-        ("GET", "/opencode-a/props?model=x&y=1", None, "opencode-a", "/props", "/props?model=x&y=1"),
+        ("GET", "/opencode-a/props?model=x&y=1", None, "opencode-a", "/props",
+         "/props?model=x&autoload=false"),
         ("POST", "/opencode-a/v1/chat/completions?", None, "opencode-a", CHAT, CHAT),
         # header route on a bare path
         ("POST", CHAT, "opencode-a", "opencode-a", CHAT, CHAT),
         ("GET", "/health", "opencode-a", "opencode-a", "/health", "/health"),
-        ("GET", "/v1/models?x=1", "opencode-a", "opencode-a", "/v1/models", "/v1/models?x=1"),
+        ("GET", "/v1/models?x=1", "opencode-a", "opencode-a", "/v1/models", "/v1/models"),
         # the path route wins over the header
         ("POST", "/opencode-a/v1/chat/completions", "other", "opencode-a", CHAT, CHAT),
         # a route literally named "v1" is a path route when the rest is allowed
@@ -98,7 +105,7 @@ def test_resolve_template_keeps_template_settings() -> None:
         ("GET", "/opencode-a/%2e%2e/health", None, "path not allowed: GET /%2e%2e/health"),
         ("GET", "/../health", None, "unknown route '..'"),
         ("GET", "/./health", None, "unknown route '.'"),
-        ("POST", "//v1/chat/completions", None, "unknown route ''"),
+        ("POST", "//v1/chat/completions", None, "empty route name ('//'); is the variable"),
         ("POST", "", None, "path not allowed"),
         ("POST", "v1/chat/completions", "opencode-a", "path not allowed"),
         ("POST", "*", None, "path not allowed"),
@@ -280,11 +287,12 @@ def _chat(**fields: Any) -> bytes:
             CHAT,
             {
                 "prompt_bytes": 4 + len("ab\nc"),
-                "fingerprint": fingerprint([{"role": "user", "content": "ab\nc"}]),
+                "fingerprint": fingerprint([{"role": "user", "content": "ab\nc"}], KEY),
             },
         ),
         (b'{"prompt": "hello"}', "/v1/completions", {"prompt_bytes": 5, "fingerprint": "", "n_messages": 0}),
-        (b'{"prompt": ["ab", "cd", [1, 2], 3]}', "/v1/completions", {"prompt_bytes": 4}),
+        # a literal token id counts as 4 bytes, what the blind estimate spends on one token
+        (b'{"prompt": ["ab", "cd", [1, 2], 3]}', "/v1/completions", {"prompt_bytes": 4 + 3 * 4}),
         (
             b'{"prompt": "x", "model": "m2", "stream": true}',
             "/v1/completions",
@@ -292,7 +300,7 @@ def _chat(**fields: Any) -> bytes:
         ),
         (b'{"input": "hello"}', "/v1/embeddings", {"prompt_bytes": 5}),
         (b'{"input": ["a", "bb"]}', "/v1/embeddings", {"prompt_bytes": 3}),
-        (b'{"input": [[1, 2]]}', "/v1/embeddings", {"prompt_bytes": 0}),
+        (b'{"input": [[1, 2]]}', "/v1/embeddings", {"prompt_bytes": 8}),
         # GET paths: the body is not parsed
         (None, "/v1/models", {"model": "dm", "stream": False, "n_messages": 0}),
         (b"not json", "/health", {"model": "dm"}),
@@ -303,19 +311,19 @@ def _chat(**fields: Any) -> bytes:
     ],
 )
 def test_peek_body_ok(raw: bytes | None, path: str, expected: dict[str, Any]) -> None:
-    peek = peek_body(raw, path, "dm", MIB)
+    peek = peek_body(raw, path, "dm", MIB, KEY)
     for key, value in expected.items():
         assert getattr(peek, key) == value, key
 
 
 def test_peek_body_default_model_empty() -> None:
-    assert peek_body(_chat(), CHAT, "", MIB).model == ""
+    assert peek_body(_chat(), CHAT, "", MIB, KEY).model == ""
 
 
 def test_peek_body_fingerprint_matches_function() -> None:
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}]
-    peek = peek_body(json.dumps({"messages": messages}).encode(), CHAT, "", MIB)
-    assert peek == BodyPeek("", False, False, fingerprint(messages), 6 + 3 + 4 + 5, 2)
+    peek = peek_body(json.dumps({"messages": messages}).encode(), CHAT, "", MIB, KEY)
+    assert peek == BodyPeek("", False, False, fingerprint(messages, KEY), 6 + 3 + 4 + 5, 2)
 
 
 @pytest.mark.parametrize(
@@ -389,7 +397,7 @@ def test_peek_body_fingerprint_matches_function() -> None:
 )
 def test_peek_body_400(raw: bytes | None, path: str, message: str) -> None:
     with pytest.raises(CrossbarError) as info:
-        peek_body(raw, path, "dm", MIB)
+        peek_body(raw, path, "dm", MIB, KEY)
     assert info.value.status == 400
     assert info.value.message.startswith(message)
 
@@ -405,7 +413,7 @@ def test_peek_body_error_messages_never_echo_the_body() -> None:
     ]
     for raw in bad:
         with pytest.raises(CrossbarError) as info:
-            peek_body(raw, CHAT, "", MIB)
+            peek_body(raw, CHAT, "", MIB, KEY)
         assert "sekrit" not in info.value.message
         assert "\n" not in info.value.message
 
@@ -417,7 +425,7 @@ def test_peek_body_error_messages_never_echo_the_body() -> None:
 def test_peek_body_size(size: int, limit: int, status: int) -> None:
     raw = b"x" * size
     with pytest.raises(CrossbarError) as info:
-        peek_body(raw, CHAT, "", limit)
+        peek_body(raw, CHAT, "", limit, KEY)
     assert info.value.status == status
     if status == 413:
         assert info.value.message == (f"request body is {size} bytes; the limit (max_body) is {limit} bytes")
@@ -425,7 +433,7 @@ def test_peek_body_size(size: int, limit: int, status: int) -> None:
 
 def test_peek_body_size_applies_to_get_paths_too() -> None:
     with pytest.raises(CrossbarError) as info:
-        peek_body(b"x" * 10, "/v1/models", "", 5)
+        peek_body(b"x" * 10, "/v1/models", "", 5, KEY)
     assert info.value.status == 413
 
 
@@ -433,7 +441,7 @@ def test_peek_body_size_applies_to_get_paths_too() -> None:
 
 
 def _fp(*messages: tuple[str, Any]) -> str:
-    return fingerprint([{"role": role, "content": content} for role, content in messages])
+    return fingerprint([{"role": role, "content": content} for role, content in messages], KEY)
 
 
 def test_fingerprint_stable_across_turns() -> None:
@@ -507,7 +515,7 @@ def test_fingerprint_table(
     ],
 )
 def test_fingerprint_no_user(messages: list[Any]) -> None:
-    assert fingerprint(messages) == ""
+    assert fingerprint(messages, KEY) == ""
 
 
 def test_fingerprint_tolerates_odd_shapes() -> None:
@@ -515,7 +523,7 @@ def test_fingerprint_tolerates_odd_shapes() -> None:
         {"role": ["x"]},
         {"role": "user", "content": [1, {"type": "text", "text": 2}, {"text": "no type"}]},
     ]
-    assert fingerprint(odd) == _fp(("user", ""))
+    assert fingerprint(odd, KEY) == _fp(("user", ""))
 
 
 # ---------------------------------------------------------------- properties
@@ -559,7 +567,7 @@ _paths = st.sampled_from([*sorted(COMPLETION_PATHS), "/v1/models", "/health"])
 
 def _peek_or_crossbar_error(raw: bytes, path: str) -> None:
     try:
-        peek = peek_body(raw, path, "dm", 4096)
+        peek = peek_body(raw, path, "dm", 4096, KEY)
     except CrossbarError as e:
         assert e.status in (400, 413)
         assert "\n" not in e.message
@@ -597,3 +605,98 @@ def test_resolve_arbitrary_input(method: str, raw_path: str, header: str | None)
         return
     assert (method, resolved.path) in ALLOWED
     assert not resolved.route.is_template
+
+
+# ---------------------------------------------------------------- query strings, model names
+
+
+@pytest.mark.parametrize(
+    ("raw_path", "query", "model"),
+    [
+        ("/opencode-a/props?model=m&autoload=true", "model=m&autoload=false", "m"),
+        ("/opencode-a/props?autoload=true", "", ""),
+        ("/opencode-a/slots?fail_on_no_slot=1&model=a%2Fb&model=c", "model=a%2Fb&autoload=false", "a/b"),
+        ("/opencode-a/health?x=1&y", "", ""),
+        ("/opencode-a/v1/chat/completions?autoload=1", "", ""),
+    ],
+)
+def test_only_model_passes_in_a_query(raw_path: str, query: str, model: str) -> None:
+    method = "POST" if "completions" in raw_path else "GET"
+    if raw_path.startswith("/opencode-a/slots"):
+        resolved = resolve_listener("GET", raw_path.removeprefix("/opencode-a"), ROUTES["opencode-a"])
+    else:
+        resolved = resolve(method, raw_path, None, ROUTES)
+    assert (resolved.query, resolved.model) == (query, model)
+
+
+@pytest.mark.parametrize("model", ["x" * (MODEL_MAX + 1), "a\x1b[2Jb", "a\nb", "\u2028"])
+def test_bad_model_names_are_400(model: str) -> None:
+    with pytest.raises(CrossbarError) as exc:
+        peek_body(json.dumps({"model": model, "messages": []}).encode(), CHAT, "", MIB, KEY)
+    assert exc.value.status == 400
+    with pytest.raises(CrossbarError) as exc:
+        resolve("GET", "/opencode-a/props?model=" + quote(model), None, ROUTES)
+    assert exc.value.status == 400
+
+
+def test_longest_model_name_passes() -> None:
+    name = "m" * MODEL_MAX
+    assert peek_body(json.dumps({"model": name, "messages": []}).encode(), CHAT, "", MIB, KEY).model == name
+
+
+# ---------------------------------------------------------------- prompt size: what becomes tokens
+
+
+def test_tools_and_tool_calls_count_toward_the_prompt() -> None:
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+    call = {"id": "1", "type": "function", "function": {"name": "read", "arguments": '{"p":"a"}'}}
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call]}]
+    plain = peek_body(json.dumps({"messages": messages[:1]}).encode(), CHAT, "", MIB, KEY).prompt_bytes
+    with_call = peek_body(json.dumps({"messages": messages}).encode(), CHAT, "", MIB, KEY).prompt_bytes
+    with_tools = peek_body(json.dumps({"messages": messages, "tools": tools}).encode(), CHAT, "", MIB,
+                           KEY).prompt_bytes
+    assert with_call == plain + len("assistant") + len("read") + len('{"p":"a"}')
+    assert with_tools == with_call + len(json.dumps(tools, separators=(",", ":")))
+
+
+def test_token_arrays_count_toward_the_prompt() -> None:
+    raw = json.dumps({"input": ["x" * 256, [0] * 30000]}).encode()
+    assert peek_body(raw, "/v1/embeddings", "", MIB, KEY).prompt_bytes == 256 + 4 * 30000
+
+
+# ---------------------------------------------------------------- large bodies, a piece at a time
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_bodies)
+def test_piecewise_parse_equals_json_loads(value: dict[str, Any]) -> None:
+    assume("Infinity" not in json.dumps(value) and "NaN" not in json.dumps(value))
+    for text in (json.dumps(value), json.dumps(value, indent=1)):
+        assert _loads_piecewise(text) == json.loads(text)
+
+
+@pytest.mark.parametrize("text", ['{"a": [1, 2,]}', '{"a" 1}', '{"a": 1,}', '{"a": 1} x', '{"a": [1 2]}',
+                                  '{"a": NaN}', '[1, 2', "", '{"a": [', '{"a": "x', "{'a': 1}"])
+def test_piecewise_parse_refuses_what_json_loads_refuses(text: str) -> None:
+    big = text + " " * OFF_LOOP_BYTES  # large enough to be parsed a piece at a time
+    with pytest.raises(CrossbarError) as exc:
+        peek_body(big.encode(), CHAT, "", 4 * MIB, KEY)
+    assert exc.value.status == 400
+
+
+def test_large_body_peeks_like_a_small_one() -> None:
+    messages = [{"role": "system", "content": "s"}]
+    messages += [{"role": "user", "content": f"é {i}"} for i in range(70_000)]
+    raw = json.dumps({"model": "m", "messages": messages, "stream": True}).encode()
+    assert len(raw) > OFF_LOOP_BYTES
+    peek = peek_body(raw, CHAT, "", 4 * MIB, KEY)
+    assert peek.n_messages == 70_001 and peek.stream and peek.model == "m"
+    assert peek.fingerprint == fingerprint(messages, KEY)
+    assert peek.prompt_bytes == sum(len(m["role"]) + len(m["content"].encode()) for m in messages)
+
+
+def test_fingerprint_is_keyed() -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    assert fingerprint(messages, KEY) != fingerprint(messages, b"other" * 8)
+    assert fingerprint(messages, KEY) == fingerprint(messages, b"k" * 32)

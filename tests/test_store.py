@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import URL
 
-import crossbar.store as store_mod
+import crossbar.backend as backend_mod
 from crossbar.store import Store, StoreError
 
 DAY = 86400.0
@@ -77,7 +77,7 @@ def store(db_path: Path) -> Iterator[Store]:
 @pytest.fixture
 def fast_busy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A short busy timeout so lock tests see several failed attempts quickly."""
-    monkeypatch.setattr(store_mod, "BUSY_TIMEOUT_MS", 50)
+    monkeypatch.setattr(backend_mod, "BUSY_TIMEOUT_MS", 50)
 
 
 # -- schema -----------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def store_path(s: Store) -> Path:
 def test_locked_database_never_blocks_callers_and_nothing_is_lost(
     monkeypatch: pytest.MonkeyPatch, db_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(store_mod, "BUSY_TIMEOUT_MS", 1000)  # the writer waits 1 s per attempt
+    monkeypatch.setattr(backend_mod, "BUSY_TIMEOUT_MS", 1000)  # the writer waits 1 s per attempt
     caplog.set_level(logging.WARNING, logger="crossbar.store")
     store = Store(str(db_path))
     store.open()
@@ -451,3 +451,82 @@ def test_rollup_moves_rows_and_keeps_usage_totals(store: Store) -> None:
 
 def test_rollup_of_nothing(store: Store) -> None:
     assert store.rollup(T0) == 0
+
+
+
+# -- hostile figures, file modes, pruning ------------------------------------------------------
+
+
+def test_absurd_figures_are_stored_as_null_and_counted(store: Store) -> None:
+    store.record_request(request(prompt_tokens=2**70, completion_tokens=1e308, cached_tokens=-5))
+    store.record_request(request(prompt_tokens=10, cached_tokens=40, ttfb_ms=float("nan"), status=70000))
+    store.record_request(request(queued_ms=float("inf"), total_ms=-3))
+    assert store.flush()
+    rows = store.requests_since(0)
+    assert len(rows) == 3 and store.dropped == 0
+    first, second, third = rows
+    assert (first.prompt_tokens, first.cached_tokens, first.completion_tokens) == (None, None, None)
+    assert (second.prompt_tokens, second.cached_tokens) == (10, None)  # cached beyond the prompt
+    assert (second.ttfb_ms, second.status) == (None, None)
+    assert (third.queued_ms, third.total_ms) == (0, 0)  # NOT NULL columns: unknown is 0
+    assert store.bad_figures == 8
+    assert by_key(store.usage(0, "route"))["r1"]["prompt_tokens"] == 10 + 50
+
+
+def insert_raw_requests(path: Path, figure: int, count: int, started: float) -> None:
+    conn = sqlite3.connect(path)
+    with conn:
+        for _ in range(count):
+            conn.execute(
+                "INSERT INTO requests (route, fp, model, host, started, queued_ms, total_ms, streamed,"
+                " prompt_tokens, decision) VALUES ('r1', 'f', 'm1', 'alpha', ?, 0, 1, 0, ?, 'new')",
+                (started, figure),
+            )
+    conn.close()
+
+
+def test_sums_of_absurd_stored_figures_cannot_overflow(store: Store, db_path: Path) -> None:
+    """Rows written by an older crossbar (or by hand) with figures near 2**63: usage still answers."""
+    insert_raw_requests(db_path, 2**62, 3, T0)
+    store.record_request(request(prompt_tokens=7, started=T0))
+    assert store.flush()
+    assert by_key(store.usage(0, "route"))["r1"]["prompt_tokens"] == 7
+
+
+def test_a_rollup_the_database_refuses_never_wedges_the_writer(db_path: Path) -> None:
+    """Absurd rows already in the file: the rollup is refused or sums safely, and every lease and row
+    behind it still lands, in this run and after a restart."""
+    first = Store(str(db_path))
+    first.open()
+    first.close()
+    insert_raw_requests(db_path, 2**62, 3, T0 - DAY)
+    for _ in range(2):  # the second round is the restart
+        s = Store(str(db_path))
+        s.open()
+        s.start()
+        s.schedule_rollup(T0)
+        s.save_lease("r1", "behind", "m1", "alpha", "active", T0, T0)
+        s.record_request(request(started=T0 + 1))
+        assert s.flush(timeout=5)
+        assert [r.fp for r in s.leases()] == ["behind"]
+        s.close()
+
+
+def test_database_wal_and_shm_are_private(db_path: Path) -> None:
+    s = Store(str(db_path))
+    s.open()
+    s.start()
+    s.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
+    assert s.flush()
+    for suffix in ("", "-wal", "-shm"):
+        mode = (db_path.parent / (db_path.name + suffix)).stat().st_mode & 0o777
+        assert mode == 0o600, (suffix, oct(mode))
+    s.close()
+
+
+def test_rollup_prunes_lease_events_older_than_retention(store: Store) -> None:
+    for i in range(4):
+        store.record_event(T0 + i * DAY, "r1", f"fp{i}", "m1", None, "alpha", "new")
+    assert store.flush()
+    store.rollup(T0 + 2 * DAY)
+    assert sorted(e.fp for e in store.lease_events()) == ["fp2", "fp3"]

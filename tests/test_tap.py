@@ -366,3 +366,58 @@ def test_usage_from_body_tolerant(body: bytes | None) -> None:
 )
 def test_tokens_per_second(usage: Usage, expected: float | None) -> None:
     assert usage.tokens_per_second == expected
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected", "dropped"),
+    [
+        ({"usage": {"prompt_tokens": 2**70, "completion_tokens": 3}}, Usage(None, None, 3, None), 1),
+        ({"usage": {"prompt_tokens": 5, "completion_tokens": 1e308}}, Usage(5, None, None, None), 1),
+        ({"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 6}}}, Usage(5), 1),
+        ({"timings": {"prompt_n": 1, "cache_n": -3, "predicted_ms": 1e300}}, Usage(), 2),
+        ({"usage": {"prompt_tokens": 1 << 30, "completion_tokens": 0}}, Usage(1 << 30, None, 0), 0),
+    ],
+)
+def test_figures_out_of_range_are_unknown_and_counted(obj: dict[str, Any], expected: Usage,
+                                                      dropped: int) -> None:
+    usage = usage_from_object(obj)
+    assert usage == expected
+    assert usage is not None and usage.dropped == dropped
+
+
+# ---------------------------------------------------------------- large non-streamed replies
+
+
+def _large_chat_reply(content: str) -> bytes:
+    return json.dumps({
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
+        "created": 1, "model": "m", "object": "chat.completion",
+        "usage": {"completion_tokens": 5, "prompt_tokens": 7, "total_tokens": 12}, "id": "c",
+        "timings": {"prompt_n": 3, "cache_n": 4, "predicted_n": 5, "predicted_ms": 10.0},
+    }).encode()
+
+
+def test_large_reply_usage_from_its_tail() -> None:
+    # the content quotes a usage object: escaped inside a string, it is never taken for the key
+    fake = '"usage": {"prompt_tokens": 99, "completion_tokens": 99}, "timings": {"cache_n": 99}'
+    body = _large_chat_reply(fake * 30_000)
+    assert len(body) > 2 * 1024 * 1024
+    assert usage_from_body(body) == Usage(prompt_tokens=7, cached_tokens=4, completion_tokens=5,
+                                          predicted_ms=10.0)
+
+
+def test_large_reply_is_not_parsed_whole() -> None:
+    body = bytearray(_large_chat_reply("x" * 1_000_000))
+    body[500_000:500_001] = b"\x00"  # not JSON any more, yet the tail still tells the usage
+    assert usage_from_body(bytes(body)) == Usage(7, 4, 5, 10.0)
+
+
+def test_large_embeddings_reply_usage_from_its_head() -> None:
+    body = json.dumps({"model": "m", "object": "list", "usage": {"prompt_tokens": 9, "total_tokens": 9},
+                       "data": [{"embedding": [0.25] * 1000, "index": i} for i in range(200)]}).encode()
+    assert len(body) > 1024 * 1024
+    assert usage_from_body(body) == Usage(prompt_tokens=9)
+
+
+def test_large_reply_without_usage() -> None:
+    assert usage_from_body(b'{"data": [' + b"1, " * 500_000 + b"1]}") is None

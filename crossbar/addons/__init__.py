@@ -1,0 +1,40 @@
+"""crossbar as mitmproxy addons, split the way mitmproxy splits its own: each addon owns one
+concern and only wires hooks to the one `Router` (`crossbar.app`), which holds all live state and
+asks the pure `crossbar.placement` where each request goes.
+
+mitmproxy calls the addons in this order for every hook:
+
+  Limits        connection-level bounds: request and response heads, bodies, connections per peer
+  Listeners     options, configuration, the router, every listener the TOML names
+  Clients       client connections: a queued request notices at once that its client left
+  AdminApi      `/_crossbar/…` answered without contacting any upstream
+  GracefulStop  503 while stopping; on SIGTERM drain in-flight requests, then close
+  Route         route · identity · body peek · placement · slot
+  Failover      pre-flight · rewrite to the host · first-byte deadline · server_connect · 5xx retry
+  Account       usage tap · the request's one ending (row, metrics, slot, lease hold)
+  FlowCap       keeps mitmweb's flow list bounded
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from crossbar.addons.account import Account
+from crossbar.addons.admin_api import AdminApi
+from crossbar.addons.failover import Failover
+from crossbar.addons.graceful import GracefulStop
+from crossbar.addons.listeners import Listeners
+from crossbar.addons.route import Route
+from crossbar.addons.runtime import Clients, Runtime
+from crossbar.flowcap import FlowCap
+from crossbar.limits import Limits
+
+__all__ = ["Runtime", "make_addons"]
+
+
+def make_addons(rt: Runtime | None = None) -> list[Any]:
+    """The addons around one shared `Runtime` (pass one to inspect it, as the tests do)."""
+    rt = rt or Runtime()
+    return [Limits(lambda: rt.router), Listeners(rt), Clients(rt), AdminApi(rt), GracefulStop(rt),
+            Route(rt), Failover(rt), Account(rt),
+            FlowCap(lambda: rt.cfg.mitmweb_keep_flows if rt.cfg else 500)]

@@ -1,0 +1,249 @@
+"""Upstream failover: getting the placed request to a host that answers.
+
+  request          pre-flight a new upstream connection (refused → the host is marked down and
+                   the request placed again), then rewrite the request to its host (origin-form)
+                   and arm the first-byte deadline
+  server_connect   a kept-alive upstream connection closed meanwhile: pre-flight the new one
+  responseheaders  a 5xx before anything reached the client: hold it for one retry
+  response         retry that 5xx on another host (crossbar sends it; mitmproxy cannot re-send)
+  error            a refused or reset connection before any byte marks the host down
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+from mitmproxy import http
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from crossbar import errors
+from crossbar.addons.runtime import LOCAL, Runtime, close_socket, exchange_of
+from crossbar.decisions import Reason
+from crossbar.errors import CrossbarError
+from crossbar.exchange import Exchange
+from crossbar.limiter import ClientGone
+from crossbar.tap import SSETap
+from crossbar.upstream import forward_headers, preflight, resend
+
+log = logging.getLogger("crossbar")
+
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+PASSIVE_DOWN_STATUSES = frozenset({502, 503, 504})
+
+
+class Failover:
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+
+    # ------------------------------------------------------------ before the request is sent
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        rt, ex = self.rt, exchange_of(flow)
+        if ex is None or rt.router is None or flow.response is not None or flow.error is not None:
+            return
+        try:
+            await self._reachable(flow, ex)
+            if rt.gone_event(flow).is_set():
+                raise ClientGone
+        except CrossbarError as exc:
+            rt.answer(flow, exc, ex)
+            return
+        except ClientGone:
+            flow.kill()
+            return
+        except Exception:  # a crossbar bug must not send the flow to the placeholder
+            log.exception("crossbar: request failed")
+            rt.answer(flow, errors.internal("crossbar failed to route the request; see its log"), ex)
+            return
+        self._forward(flow, ex)
+        rt.current[flow.client_conn] = flow
+
+    async def _reachable(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        """Pre-flight: unless this client connection already holds an open connection to the
+        host (mitmproxy reuses it), check the host accepts one. A host that refuses is marked
+        down and the request moves on (its lease with it) while crossbar can still answer;
+        nowhere left to go is crossbar's JSON error, not mitmproxy's 502 page."""
+        router = self.rt.router
+        assert router is not None
+        cfg = router.cfg
+        for _ in range(len(cfg.hosts)):
+            conf = cfg.hosts[ex.host]
+            if (conf.host, conf.port) in self.rt.upstreams.get(flow.client_conn, ()):
+                return
+            why = await preflight(conf.host, conf.port, cfg.connect_timeout)
+            if why is None:
+                ex.checked = (conf.host, conf.port)
+                return
+            router.passive_mark(ex.host, f"connect failed: {why}")
+            try:
+                await router.move(ex, "connect failed", self.rt.gone_event(flow))
+            except CrossbarError:
+                ex.err = f"{ex.host}: connect failed: {why}; no other host"
+                raise
+
+    def _forward(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        """Send the request to its host, in origin-form whatever form the client used; the
+        first-byte deadline is armed for that host."""
+        router = self.rt.router
+        assert router is not None
+        conf = router.cfg.hosts[ex.host]
+        r = flow.request
+        r.scheme = conf.scheme  # before host/port: it decides whether the port shows in Host
+        r.host, r.port = conf.host, conf.port
+        r.path = conf.base_path + ex.path
+        r.authority = ""
+        ex.forwarded = True
+        ex.arm_deadline(router.cfg.first_byte_timeout, lambda host: self._first_byte_overdue(flow, host))
+
+    def _first_byte_overdue(self, flow: http.HTTPFlow, host: str) -> None:
+        """The host accepted the request but sent nothing for `first_byte_timeout`: close its
+        connection so the client gets an answer (mitmproxy's 502) instead of waiting forever.
+        `host` is the one the timer was armed for; a request moved since is not its fault."""
+        ex, router = exchange_of(flow), self.rt.router
+        if ex is None or ex.ttfb_ms is not None or not flow.live or router is None or ex.host != host:
+            return
+        ex.err = f"no first byte from {host} within {router.cfg.first_byte_timeout:g}s"
+        router.passive_mark(host, ex.err)
+        if not close_socket(flow, flow.server_conn):
+            log.warning("could not close the upstream connection of a hung request to %s", host)
+
+    # ------------------------------------------------------------ upstream connections
+
+    async def server_connect(self, data: ServerConnectionHookData) -> None:
+        """A new upstream connection the request hook did not check: the kept-alive one it
+        expected to reuse was closed meanwhile (a host that just died). Check it now and move
+        the request if the host refuses; only a 502 is possible when nothing else is left."""
+        rt = self.rt
+        flow = rt.current.get(data.client)
+        ex = exchange_of(flow) if flow else None
+        if flow is None or ex is None or rt.router is None or data.server.address is None:
+            return
+        if ex.checked == data.server.address:
+            return
+        why = await preflight(*data.server.address, rt.router.cfg.connect_timeout)
+        if why is None:
+            return
+        rt.router.passive_mark(ex.host, f"connect failed: {why}")
+        try:
+            await rt.router.move(ex, "connect failed", rt.gone_event(flow))
+        except (CrossbarError, ClientGone):
+            ex.err = f"{ex.host}: connect failed: {why}; no other host"
+            return
+        self._forward(flow, ex)
+        data.server.address = (flow.request.host, flow.request.port)
+        if flow.request.scheme == "https":
+            data.server.sni = flow.request.host
+
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        if data.server.address is not None:
+            self.rt.upstreams.setdefault(data.client, set()).add(data.server.address)
+
+    def server_disconnected(self, data: ServerConnectionHookData) -> None:
+        if data.server.address is not None:
+            self.rt.upstreams.get(data.client, set()).discard(data.server.address)
+
+    # ------------------------------------------------------------ the answer
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        ex = exchange_of(flow)
+        if ex is None or flow.metadata.get(LOCAL) or flow.response is None:
+            return
+        ex.cancel_deadline()
+        ex.mark_first_byte()
+        ex.status = flow.response.status_code
+        if ex.ctx_moved:
+            flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
+        streaming = bool(flow.response.stream)  # a body beyond mitmproxy's buffering bound
+        if ex.completion and ex.status in RETRY_STATUSES and not ex.retried and not streaming:
+            ex.retry_pending = True  # leave the (small) error body buffered: nothing reaches the client yet
+
+    async def response(self, flow: http.HTTPFlow) -> None:
+        ex = exchange_of(flow)
+        if ex is None or not ex.retry_pending or self.rt.router is None or ex.finished:
+            return
+        ex.retry_pending = False
+        try:
+            await self._retry(flow, ex)
+        except Exception:  # the client gets the first answer; the request still ends normally
+            log.exception("crossbar: the retry of %s/%s failed", ex.key.route, ex.model)
+            ex.err = ex.err or "the retry failed; see crossbar's log"
+
+    async def _retry(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+        """A 5xx before anything reached the client: send the request once to another host and
+        answer with the whole reply. A retry that cannot run (no other host, no slot) changes
+        nothing: the client gets the first answer. A client that leaves meanwhile cancels it
+        (the engine stops, the slot is freed)."""
+        rt, router = self.rt, self.rt.router
+        assert router is not None and rt.session is not None and flow.response is not None
+        status = flow.response.status_code
+        marked = status in PASSIVE_DOWN_STATUSES
+        if marked:
+            router.passive_mark(ex.host, f"answered {status}")
+        gone = rt.gone_event(flow)
+        try:
+            # a 500 leaves the host healthy ("Context size has been exceeded."): not "unhealthy"
+            reason = Reason.UNHEALTHY if marked else Reason.RETRIED
+            await router.move(ex, f"answered {status}", gone, reason=reason)
+        except (CrossbarError, ClientGone):
+            ex.err = f"upstream answered {status}; no other host to retry on"
+            return
+        ex.retried = True
+        conf = router.cfg.hosts[ex.host]
+        retry = asyncio.ensure_future(resend(
+            rt.session, flow.request.method, conf.base_url + ex.path,
+            forward_headers(flow.request.headers.items()), flow.request.raw_content or b"",
+            router.cfg.connect_timeout, router.cfg.first_byte_timeout,
+        ))
+        left = asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait({retry, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+        if not retry.done():
+            retry.cancel()
+            ex.err = "client left during the retry"
+            return
+        try:
+            new_status, headers, body = retry.result()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            router.passive_mark(ex.host, f"retry failed: {exc}")
+            ex.err = f"retry on {ex.host} failed: {exc}"
+            return
+        if new_status in PASSIVE_DOWN_STATUSES:
+            router.passive_mark(ex.host, f"answered {new_status}")
+        ex.ttfb_ms = ex.elapsed_ms()  # the client gets its first byte now, with the whole answer
+        fields = [(_header_bytes(k), _header_bytes(v)) for k, v in headers]
+        flow.response = http.Response.make(new_status, b"", http.Headers(fields))
+        flow.response.raw_content = body  # as received: never encoded a second time
+        flow.response.headers["Content-Length"] = str(len(body))
+        flow.response.headers["X-Crossbar-Retried"] = "1"
+        if ex.ctx_moved:
+            flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
+        if flow.response.headers.get("content-type", "").startswith("text/event-stream"):
+            tap = SSETap()
+            tap(body)
+            tap(b"")
+            ex.tap = tap
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        ex, router = exchange_of(flow), self.rt.router
+        if ex is None or router is None or ex.finished:
+            return
+        ex.cancel_deadline()
+        msg = flow.error.msg if flow.error else "error"
+        if flow.response is None and ex.ttfb_ms is None and ex.forwarded and _is_connect_failure(msg):
+            router.passive_mark(ex.host, msg)
+
+
+def _header_bytes(text: str) -> bytes:
+    """A header as received: aiohttp decodes header bytes as UTF-8 (with surrogate escapes)."""
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _is_connect_failure(msg: str) -> bool:
+    text = msg.lower()
+    return any(s in text for s in ("connect call failed", "connection refused", "connection reset",
+                                   "timed out", "no route to host", "network is unreachable",
+                                   "name or service not known", "cannot connect"))

@@ -1,0 +1,141 @@
+"""Start-up: the `crossbar_config` option, the configuration, the router, and every listener the
+TOML names (the main one, each route's own, the admin one)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from typing import Any
+
+import aiohttp
+from mitmproxy import ctx, exceptions
+from mitmproxy.addonmanager import Loader
+
+from crossbar import admin_access
+from crossbar.addons.runtime import ADMIN, MAIN, PLACEHOLDER, ROUTE, Runtime
+from crossbar.admin import Admin
+from crossbar.app import Router
+from crossbar.config import Address, Config, ConfigError, load_config
+from crossbar.identity import IdentityError
+from crossbar.reclaim import freeze_startup
+from crossbar.secret import SecretError, load_or_create, secret_path
+from crossbar.store import StoreError
+
+log = logging.getLogger("crossbar")
+SWITCH_INTERVAL = 0.001  # seconds a thread holds the interpreter while another waits for it
+
+
+class Listeners:
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+
+    def load(self, loader: Loader) -> None:
+        loader.add_option("crossbar_config", str, "", "Path of crossbar's TOML configuration file.")
+
+    def configure(self, updated: set[str]) -> None:
+        rt = self.rt
+        if "crossbar_config" not in updated:
+            return
+        if rt.router is not None:
+            raise exceptions.OptionsError("crossbar_config cannot change while crossbar runs; restart it")
+        path = ctx.options.crossbar_config
+        try:
+            if not path:
+                raise ConfigError("crossbar_config is not set: add --set crossbar_config=PATH")
+            rt.cfg = load_config(path)
+        except ConfigError as exc:
+            # one clear line; an error logged during start-up makes mitmproxy exit non-zero
+            log.error("crossbar config: %s", exc)
+            rt.cfg = None
+            return
+        ctx.options.update(**mitmproxy_options(rt.cfg))
+
+    async def running(self) -> None:
+        rt = self.rt
+        if rt.cfg is None:  # the configuration error was logged; mitmproxy exits
+            return
+        try:
+            rt.fp_key = load_or_create(secret_path(rt.cfg.db))
+        except SecretError as exc:
+            log.error("crossbar: %s", exc)
+            return
+        # a worker thread peeking a large body hands the interpreter back to the event loop
+        # within 1 ms (the default is 5 ms: every other stream's next event would wait that long)
+        sys.setswitchinterval(SWITCH_INTERVAL)
+        router = Router(rt.cfg)
+        try:
+            router.open()
+        except StoreError as exc:
+            log.error("crossbar: %s", exc)
+            return
+        if not await self._start_identity():
+            await router.close()
+            return
+        rt.router, rt.admin = router, Admin(router)
+        rt.admin_policy = admin_access.AdminPolicy.from_config(rt.cfg)
+        rt.session = aiohttp.ClientSession()
+        router.start_background()
+        await self._listen()
+        freeze_startup()
+
+    async def _start_identity(self) -> bool:
+        cfg = self.rt.cfg
+        assert cfg is not None
+        if cfg.identity == "tailscale":
+            try:
+                version = await self.rt.tailscale.check()
+            except IdentityError as exc:
+                log.error("crossbar: %s", exc)
+                return False
+            log.info("crossbar: identity from tailscale %s", version)
+        elif cfg.identity == "header":
+            log.warning("crossbar: identity = \"header\" trusts X-Crossbar-Peer from anyone: for tests only")
+        return True
+
+    async def _listen(self) -> None:
+        rt, cfg = self.rt, self.rt.cfg
+        assert cfg is not None
+        rt.roles = {listen_spec(cfg.listen): (MAIN, "")}
+        if cfg.admin_listen is not None:
+            rt.roles[listen_spec(cfg.admin_listen)] = (ADMIN, "")
+        for name, route in cfg.routes.items():
+            if route.listen is not None:
+                rt.roles[listen_spec(route.listen)] = (ROUTE, name)
+        rt.listen_specs = list(rt.roles)
+        _ensure_certstore()
+        ctx.options.update(server=True, mode=rt.listen_specs)
+        ps = ctx.master.addons.get("proxyserver")
+        for _ in range(500):  # the option change starts the servers on a task
+            await asyncio.sleep(0.01)
+            if not ps.servers.is_updating and len(ps.listen_addrs()) >= len(rt.listen_specs):
+                break
+        if len(ps.listen_addrs()) < len(rt.listen_specs):
+            log.error("crossbar: could not listen on %s", ", ".join(rt.listen_specs))
+            return
+        log.info("crossbar: serving on %s", ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
+                                                      for h, p, *_ in ps.listen_addrs()))
+
+
+def mitmproxy_options(cfg: Config) -> dict[str, Any]:
+    """The mitmproxy options crossbar sets for itself (the benchmark gives bare mitmdump the same).
+    mitmproxy's body_size_limit would cut answers too (a large embeddings reply): instead, bodies
+    past `stream_large_bodies` are streamed, not buffered; crossbar answers JSON 413 above max_body."""
+    return {"connection_strategy": "lazy",
+            "keep_host_header": True,  # the admin API checks the Host the client sent
+            "stream_large_bodies": str(2 * cfg.max_body + (1 << 20)),
+            "tcp_timeout": max(600, int(cfg.first_byte_timeout) + 60)}
+
+
+def listen_spec(address: Address) -> str:
+    """mitmproxy's mode spec for a listener; it takes an IPv6 host without brackets (`@::1:7777`)."""
+    return f"reverse:{PLACEHOLDER}@{address.host}:{address.port}"
+
+
+def _ensure_certstore() -> None:
+    """mitmproxy runs a script's `running` hook before its TLS addon's, which loads the cert
+    store; a client arriving on a freshly opened listener before that crashes the TLS addon.
+    Load it first, as that addon's own `running` would."""
+    tls = ctx.master.addons.get("tlsconfig")
+    if tls is not None and getattr(tls, "certstore", None) is None:
+        tls.configure({"confdir"})

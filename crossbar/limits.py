@@ -1,0 +1,531 @@
+"""Connection and message limits, enforced beneath mitmproxy's HTTP layer.
+
+mitmproxy (12.x) reads a message head with no size limit and no time limit, and answers a body
+over its `body_size_limit` with an HTML page. So crossbar wraps each connection's reader:
+
+- a request head is held back until it is complete: over `max_head` bytes is a JSON 431, not
+  complete within `head_timeout` of its first byte (or of the connection's start) is a JSON 408;
+  a kept-alive connection may idle `idle_timeout` between requests;
+- a `Content-Length` over `max_body` is a JSON 413 before any of the body is read; a chunked body
+  is counted as it arrives and cut with the same JSON 413 when it passes `max_body`;
+- a response head from an upstream over `max_head` never reaches mitmproxy: the client gets
+  crossbar's JSON 502 and the host is marked down;
+- each peer address may hold at most `max_connections_per_peer` connections;
+- an upload that ends unfinished gives its memory back (mitmproxy's buffer waits for the cyclic
+  garbage collector, and glibc keeps freed heap).
+
+The framing code is pure (`RequestFramer`, `ResponseHeadFramer`); the readers and the addon only
+wire it to mitmproxy's connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import gc
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+from weakref import WeakKeyDictionary
+
+from mitmproxy import ctx, http
+from mitmproxy.connection import Client, Connection
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from crossbar.app import Router
+from crossbar.decisions import Rejection
+
+log = logging.getLogger("crossbar")
+
+MAX_CHUNK_LINE = 4096  # a chunk-size line (with extensions) or one trailer line
+DEADLINE_CHECK = 1.0  # seconds between looks at a deadline set while a read was waiting
+LINGER_SECONDS = 2.0
+TRIM_AFTER = 1024 * 1024  # an unfinished upload larger than this returns its memory to the system
+TRIM_DELAY = 0.5  # after refusing, read (and drop) what the client still sends, so it sees the answer
+HEAD, LENGTH, CHUNKED, PASS = "head", "length", "chunked", "pass"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    status: int
+    type: str
+    message: str
+    reason: Rejection  # the `crossbar_rejected_total` label
+
+    def response(self, extra_headers: str = "") -> bytes:
+        body = json.dumps({"error": {"code": self.status, "type": self.type, "message": self.message}})
+        phrase = {408: "Request Timeout", 413: "Content Too Large", 431: "Request Header Fields Too Large",
+                  502: "Bad Gateway", 503: "Service Unavailable"}[self.status]
+        return (f"HTTP/1.1 {self.status} {phrase}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra_headers}\r\n{body}").encode()
+
+
+BAD_REQUEST = "invalid_request_error"
+
+
+def head_too_large(limit: int) -> Refusal:
+    return Refusal(431, BAD_REQUEST, f"request head over {limit} bytes (max_head)", Rejection.HEAD_TOO_LARGE)
+
+
+def body_too_large(limit: int) -> Refusal:
+    return Refusal(413, BAD_REQUEST, f"request body over {limit} bytes (max_body)", Rejection.TOO_LARGE)
+
+
+def head_timeout(limit: float) -> Refusal:
+    return Refusal(408, BAD_REQUEST, f"request head not complete within {limit:g}s (head_timeout)",
+                   Rejection.HEAD_TIMEOUT)
+
+
+def _head_end(buf: bytearray) -> int:
+    """Index just past the blank line ending a head (CRLF or bare LF), or -1."""
+    ends = [i + n for i, n in ((buf.find(b"\r\n\r\n"), 4), (buf.find(b"\n\n"), 2), (buf.find(b"\n\r\n"), 3))
+            if i >= 0]
+    return min(ends) if ends else -1
+
+
+def body_framing(head: bytes) -> tuple[str, int]:
+    """(LENGTH, n), (CHUNKED, 0), (HEAD, 0) for no body, or (PASS, 0) for framing mitmproxy will
+    refuse itself (conflicting or malformed lengths)."""
+    length: bytes | None = None
+    encoding: bytes | None = None
+    for line in head.split(b"\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        name, value = name.strip().lower(), value.strip()
+        if name == b"transfer-encoding":
+            encoding = value.lower()
+        elif name == b"content-length":
+            if length is not None and length != value:
+                return PASS, 0
+            length = value
+    if encoding is not None:
+        return (CHUNKED, 0) if encoding.endswith(b"chunked") else (PASS, 0)
+    if length is None:
+        return HEAD, 0
+    if not length.isdigit():
+        return PASS, 0
+    return (LENGTH, int(length)) if int(length) else (HEAD, 0)
+
+
+class ChunkCounter:
+    """Follows a chunked body's framing; counts its data against `limit`."""
+
+    def __init__(self, limit: int):
+        self.limit, self.total = limit, 0
+        self._line = bytearray()
+        self._need = 0
+        self._in_trailer = False
+
+    def feed(self, data: bytes, pos: int) -> tuple[int, str]:
+        """Consume from data[pos:]: (bytes consumed, "" | "done" | "over" | "malformed")."""
+        start = pos
+        while pos < len(data):
+            if self._need:
+                take = min(self._need, len(data) - pos)
+                pos += take
+                self._need -= take
+                continue
+            newline = data.find(b"\n", pos)
+            if newline < 0:
+                self._line += data[pos:]
+                pos = len(data)
+                if len(self._line) > MAX_CHUNK_LINE:
+                    return pos - start, "malformed"
+                break
+            self._line += data[pos:newline]
+            pos = newline + 1
+            line = bytes(self._line).strip()
+            self._line.clear()
+            verdict = self._line_done(line)
+            if verdict:
+                return pos - start, verdict
+        return pos - start, ""
+
+    def _line_done(self, line: bytes) -> str:
+        if self._in_trailer:
+            return "" if line else "done"
+        if not line:
+            return ""  # the CRLF after a chunk's data
+        try:
+            size = int(line.split(b";", 1)[0], 16)
+        except ValueError:
+            return "malformed"
+        if size == 0:
+            self._in_trailer = True
+            return ""
+        self.total += size
+        if self.total > self.limit:
+            return "over"
+        self._need = size
+        return ""
+
+
+class RequestFramer:
+    """Splits a client's byte stream into request heads (held back until complete) and bodies."""
+
+    def __init__(self, max_head: int, max_body: int):
+        self.max_head, self.max_body = max_head, max_body
+        self.state = HEAD
+        self.head = bytearray()  # the incomplete head held back
+        self._remaining = 0
+        self._chunks: ChunkCounter | None = None
+        self._fresh = True  # nothing received on this connection yet
+        self.heads = 0  # complete heads passed on
+
+    @property
+    def head_started(self) -> bool:
+        return self.state == HEAD and bool(self.head)
+
+    def feed(self, data: bytes) -> tuple[bytes, Refusal | None]:
+        """What may go on to mitmproxy now, and a refusal when the stream broke a limit (what is
+        returned with a refusal is complete data mitmproxy may still have)."""
+        if self._fresh and data:
+            self._fresh = False
+            if data[:1] == b"\x16" or data.startswith(b"PRI * HTTP/2"):
+                self.state = PASS  # TLS or HTTP/2: not ours to frame
+        if self.state == PASS or (self.state == LENGTH and len(data) < self._remaining):
+            self._remaining -= len(data) if self.state == LENGTH else 0
+            return data, None  # the common case, a body passing through: no copy
+        out = bytearray()
+        pos = 0
+        while pos < len(data):
+            if self.state == PASS:
+                out += data[pos:]
+                break
+            if self.state == LENGTH:
+                take = min(self._remaining, len(data) - pos)
+                out += data[pos:pos + take]
+                pos += take
+                self._remaining -= take
+                if not self._remaining:
+                    self.state = HEAD
+                continue
+            if self.state == CHUNKED:
+                assert self._chunks is not None
+                used, verdict = self._chunks.feed(data, pos)
+                out += data[pos:pos + used]
+                pos += used
+                if verdict == "over":
+                    return bytes(out), body_too_large(self.max_body)
+                if verdict:
+                    self.state = PASS if verdict == "malformed" else HEAD
+                continue
+            data, pos, refusal = self._feed_head(data, pos, out)
+            if refusal:
+                return bytes(out), refusal
+        return bytes(out), None
+
+    def _feed_head(self, data: bytes, pos: int, out: bytearray) -> tuple[bytes, int, Refusal | None]:
+        if not self.head:
+            while pos < len(data) and data[pos] in b"\r\n":  # blank lines before a request line
+                pos += 1
+        self.head += data[pos:]
+        end = _head_end(self.head)
+        if end < 0:
+            if len(self.head) > self.max_head:
+                self.head.clear()
+                return b"", 0, head_too_large(self.max_head)
+            return b"", 0, None
+        if end > self.max_head:
+            self.head.clear()
+            return b"", 0, head_too_large(self.max_head)
+        head, rest = bytes(self.head[:end]), bytes(self.head[end:])
+        self.head.clear()
+        self.heads += 1
+        self.state, self._remaining = body_framing(head)
+        if self.state == LENGTH and self._remaining > self.max_body:
+            return b"", 0, body_too_large(self.max_body)
+        if self.state == CHUNKED:
+            self._chunks = ChunkCounter(self.max_body)
+        out += head
+        return rest, 0, None
+
+
+class ResponseHeadFramer:
+    """Holds back an upstream's response head until it is complete; the body passes untouched
+    until `expect_head()` says the next response is due."""
+
+    def __init__(self, max_head: int):
+        self.max_head = max_head
+        self.head = bytearray()
+        self.in_head = True
+
+    def expect_head(self) -> None:
+        self.in_head = True
+
+    def feed(self, data: bytes) -> tuple[bytes, bool]:
+        """(bytes for mitmproxy now, whether the head broke `max_head`)."""
+        if not self.in_head:
+            return data, False
+        self.head += data
+        end = _head_end(self.head)
+        if end < 0 or end > self.max_head:
+            too_large = len(self.head) > self.max_head
+            if too_large:
+                self.head.clear()
+            return b"", too_large
+        informational = self.head[9:10] == b"1"  # "HTTP/1.1 1xx": the real head follows
+        head, rest = bytes(self.head[:end]), bytes(self.head[end:])
+        self.head.clear()
+        if informational:
+            more, too_large = self.feed(rest)
+            return head + more, too_large
+        self.in_head = False
+        return head + rest, False
+
+
+class Reader(Protocol):
+    async def read(self, n: int = -1) -> bytes: ...
+
+
+class ClientReader:
+    """Stands in for a client connection's reader: applies `RequestFramer` and the head timeouts,
+    and answers a refusal itself (mitmproxy then sees the connection end)."""
+
+    def __init__(self, inner: Reader, writer: Any, framer: RequestFramer, head_timeout_s: float,
+                 idle_timeout_s: float, on_refusal: Callable[[Refusal], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self.inner, self.writer, self.framer = inner, writer, framer
+        self.head_timeout, self.idle_timeout = head_timeout_s, idle_timeout_s
+        self.on_refusal, self.clock = on_refusal, clock
+        self.deadline: float | None = clock() + head_timeout_s
+        self.closed = False
+        self._pending: Refusal | None = None  # to answer at the next read, after delivering data
+        self.body_bytes = 0  # passed on since the last head began (the head included)
+
+    def response_done(self) -> None:
+        """The answer to the last request went out: the next head may take `idle_timeout` to begin."""
+        if self.framer.state == HEAD and not self.framer.head_started and self.deadline is None:
+            self.deadline = self.clock() + self.idle_timeout
+
+    async def read(self, n: int = -1) -> bytes:
+        while not self.closed:
+            try:
+                data = await self._read(n)
+            except TimeoutError:
+                if self.deadline is None or self.clock() < self.deadline:
+                    continue  # no deadline yet (or a later one): look again
+                started = self.framer.head_started
+                return await self._refuse(head_timeout(self.head_timeout) if started else None)
+            if not data:
+                return b""
+            heads_before, head_was_started = self.framer.heads, self.framer.head_started
+            out, refusal = self.framer.feed(data)
+            self._track_deadline(heads_before, head_was_started)
+            if refusal is not None:
+                if out:
+                    self._pending = refusal
+                    return out
+                return await self._refuse(refusal)
+            if out:
+                fresh = self.framer.heads != heads_before
+                self.body_bytes = len(out) if fresh else self.body_bytes + len(out)
+                return out
+        return b""
+
+    async def _read(self, n: int) -> bytes:
+        if self._pending is not None:
+            await self._refuse(self._pending)
+            return b""
+        # a read without a deadline still wakes now and then: `response_done` may have set one
+        wait = DEADLINE_CHECK if self.deadline is None else max(0.0, self.deadline - self.clock())
+        return await asyncio.wait_for(self.inner.read(n), wait)
+
+    def _track_deadline(self, heads_before: int, head_was_started: bool) -> None:
+        completed = self.framer.heads != heads_before
+        if self.framer.state != HEAD or completed:
+            self.deadline = None  # a request is being read or served, or the stream is not ours
+        if self.framer.head_started and (completed or not head_was_started):
+            limit = self.clock() + self.head_timeout  # a (next) head began
+            self.deadline = limit if self.deadline is None else min(self.deadline, limit)
+
+    async def _refuse(self, refusal: Refusal | None) -> bytes:
+        """Answer (when there is something to say), let the client finish sending so it sees the
+        answer, and end the stream for mitmproxy."""
+        self.closed = True
+        if refusal is not None:
+            self.on_refusal(refusal)
+            with contextlib.suppress(OSError, RuntimeError):
+                self.writer.write(refusal.response())
+                await asyncio.wait_for(self.writer.drain(), LINGER_SECONDS)
+        with contextlib.suppress(OSError, TimeoutError, RuntimeError):
+            deadline = self.clock() + LINGER_SECONDS
+            while refusal is not None and self.clock() < deadline:
+                if not await asyncio.wait_for(self.inner.read(65536), max(0.0, deadline - self.clock())):
+                    break
+        return b""
+
+
+class UpstreamReader:
+    """Stands in for an upstream connection's reader: applies `ResponseHeadFramer`. An oversized
+    head becomes crossbar's JSON 502 (so the client gets JSON, and the host is marked)."""
+
+    def __init__(self, inner: Reader, framer: ResponseHeadFramer, on_oversized: Callable[[], None]):
+        self.inner, self.framer, self.on_oversized = inner, framer, on_oversized
+        self.closed = False
+
+    async def read(self, n: int = -1) -> bytes:
+        while not self.closed:
+            data = await self.inner.read(n)
+            if not data:
+                return b""
+            out, too_large = self.framer.feed(data)
+            if too_large:
+                self.closed = True
+                self.on_oversized()
+                message = f"the upstream sent a response head over {self.framer.max_head} bytes (max_head)"
+                return Refusal(502, "bad_gateway", message, Rejection.UPSTREAM_HEAD_TOO_LARGE).response()
+            if out:
+                return out
+        return b""
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None on a C library without it."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def _transport(client: Client, conn: Connection) -> Any:
+    """mitmproxy's I/O record (reader, writer) of one connection of a client's handler; None once gone."""
+    handler = ctx.master.addons.get("proxyserver").connections.get(client.id)
+    return handler.transports.get(conn) if handler is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSettings:
+    max_head: int
+    max_body: int
+    head_timeout: float
+    idle_timeout: float
+    max_connections_per_peer: int
+
+
+class Limits:
+    """mitmproxy addon: installs the readers above on every connection and caps connections per
+    peer, once crossbar runs (`router()` returns its Router, else None)."""
+
+    def __init__(self, router: Callable[[], Router | None]):
+        self.router = router
+        self.per_peer: Counter[str] = Counter()
+        self._counted: set[str] = set()  # ids of the client connections counted in per_peer
+        self._trim = _malloc_trim()
+        self._trim_pending = False
+        self._clients: WeakKeyDictionary[Client, ClientReader] = WeakKeyDictionary()
+        self._upstreams: WeakKeyDictionary[Connection, UpstreamReader] = WeakKeyDictionary()
+
+    def settings(self) -> LimitSettings | None:
+        router = self.router()
+        if router is None:
+            return None
+        cfg = router.cfg
+        return LimitSettings(cfg.max_head, cfg.max_body, cfg.head_timeout, cfg.idle_timeout,
+                             cfg.max_connections_per_peer)
+
+    def count(self, reason: Rejection) -> None:
+        router = self.router()
+        if router is not None:
+            router.rejected(reason)
+
+    def mark_upstream(self, address: tuple[str, int], why: str) -> None:
+        router = self.router()
+        if router is None:
+            return
+        for name, conf in router.cfg.hosts.items():
+            if (conf.host, conf.port) == tuple(address[:2]):
+                log.warning("crossbar: %s %s", name, why)
+                router.passive_mark(name, why)
+
+    def client_connected(self, client: Client) -> None:
+        limits = self.settings()
+        io = _transport(client, client)
+        if limits is None or io is None or client.peername is None:
+            return
+        peer = str(client.peername[0])
+        self.per_peer[peer] += 1
+        self._counted.add(client.id)
+        if self.per_peer[peer] > limits.max_connections_per_peer:
+            self._refuse_connection(client, io, limits.max_connections_per_peer)
+            return
+        reader = ClientReader(io.reader, io.writer, RequestFramer(limits.max_head, limits.max_body),
+                              limits.head_timeout, limits.idle_timeout, self._refused)
+        io.reader = reader
+        self._clients[client] = reader
+
+    def _refuse_connection(self, client: Client, io: Any, cap: int) -> None:
+        self.count(Rejection.PEER_CONNECTIONS)
+        log.warning("crossbar: %s holds more than %d connections; refusing one", client.peername[0], cap)
+        refusal = Refusal(503, "unavailable_error", f"more than {cap} connections from this address "
+                          "(max_connections_per_peer)", Rejection.PEER_CONNECTIONS)
+        with contextlib.suppress(OSError, RuntimeError):
+            io.writer.write(refusal.response("Retry-After: 5\r\n"))
+        client.error = "too many connections from this peer"
+
+    def client_disconnected(self, client: Client) -> None:
+        if client.id not in self._counted:
+            return
+        self._counted.discard(client.id)
+        peer = str(client.peername[0])
+        self.per_peer[peer] -= 1
+        if self.per_peer[peer] <= 0:
+            del self.per_peer[peer]
+        reader = self._clients.pop(client, None)
+        if reader is not None and reader.framer.state in (LENGTH, CHUNKED) and reader.body_bytes > TRIM_AFTER:
+            self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        """An upload ended unfinished: once the connection's handler has ended, collect the
+        cycles holding its buffer and hand the freed heap back to the system (glibc keeps it)."""
+        if self._trim_pending:
+            return
+        self._trim_pending = True
+
+        def trim() -> None:
+            self._trim_pending = False
+            gc.collect()  # the buffer sits in mitmproxy's layer objects, which form reference cycles
+            if self._trim is not None:
+                self._trim(0)
+
+        asyncio.get_running_loop().call_later(TRIM_DELAY, trim)
+
+    def _refused(self, refusal: Refusal) -> None:
+        self.count(refusal.reason)
+
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        limits = self.settings()
+        io = _transport(data.client, data.server)
+        if limits is None or io is None:
+            return
+        address = data.server.address
+        reader = UpstreamReader(io.reader, ResponseHeadFramer(limits.max_head),
+                                lambda: self._oversized(address, limits.max_head))
+        io.reader = reader
+        self._upstreams[data.server] = reader
+
+    def _oversized(self, address: tuple[str, int] | None, limit: int) -> None:
+        self.count(Rejection.UPSTREAM_HEAD_TOO_LARGE)
+        if address is not None:
+            self.mark_upstream(address, f"sent a response head over {limit} bytes")
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._message_done(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._message_done(flow)
+
+    def _message_done(self, flow: http.HTTPFlow) -> None:
+        upstream = self._upstreams.get(flow.server_conn)
+        if upstream is not None:
+            upstream.framer.expect_head()
+        client = self._clients.get(flow.client_conn)
+        if client is not None:
+            client.response_done()

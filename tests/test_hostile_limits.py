@@ -1,0 +1,342 @@
+"""Connection, head and body exhaustion, through the real command (`mitmdump -s addons/crossbar.py`)
+with raw sockets: half-sent heads, idle connections, too many connections from one peer, bodies
+over max_body (declared and chunked), oversized request heads, and an upstream that answers with a
+giant response head."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import HostSpec, MitmdumpProcess, split_response, start_mitmdump, write_config
+
+from crossbar.limits import (
+    ChunkCounter,
+    RequestFramer,
+    ResponseHeadFramer,
+    body_framing,
+)
+from llamasim import SimConfig, SimServer
+
+MAX_BODY = 1024 * 1024
+CHAT = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
+LIMITS = {"max_body": "1MiB", "max_head": "64KiB", "head_timeout": "1s", "idle_timeout": "2s",
+          "max_connections_per_peer": 8}
+
+
+@dataclass
+class Rig:
+    proxy: MitmdumpProcess
+
+    @property
+    def port(self) -> int:
+        return self.proxy.port
+
+    def log(self) -> str:
+        return "".join(self.proxy.output)
+
+
+@asynccontextmanager
+async def rig(tmp_path: Path, base_url: str | None = None, **top: Any) -> AsyncIterator[Rig]:
+    sim = SimServer(SimConfig(models=["m"]))
+    await sim.start()
+    try:
+        cfg = write_config(tmp_path / "c.toml", {"a": (base_url or sim.url, HostSpec({"m": {}}))},
+                           {"r": {"default_model": "m"}}, **{**LIMITS, **top})
+        proxy = await asyncio.to_thread(start_mitmdump, cfg, ["--set", "server=false"])
+        try:
+            yield Rig(proxy)
+        finally:
+            await asyncio.to_thread(proxy.stop)
+    finally:
+        await sim.close()
+
+
+async def connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+def head(method: str = "POST", path: str = "/r/v1/chat/completions", **headers: str) -> bytes:
+    fields = {"Host": "127.0.0.1", "Content-Type": "application/json", **headers}
+    lines = "".join(f"{k.replace('_', '-')}: {v}\r\n" for k, v in fields.items())
+    return f"{method} {path} HTTP/1.1\r\n{lines}\r\n".encode()
+
+
+async def answer(reader: asyncio.StreamReader, timeout: float = 10) -> tuple[int, dict[str, str], bytes]:
+    """One response read to the end of the connection (every answer here closes it)."""
+    return split_response(await asyncio.wait_for(reader.read(), timeout))
+
+
+def assert_json_error(status: int, headers: dict[str, str], body: bytes, code: int) -> None:
+    assert status == code, body[:300]
+    assert headers["content-type"] == "application/json"
+    assert json.loads(body)["error"]["code"] == code
+
+
+async def chat_ok(port: int) -> None:
+    reader, writer = await connect(port)
+    writer.write(head(Content_Length=str(len(CHAT)), Connection="close") + CHAT)
+    status, _, body = await answer(reader)
+    writer.close()
+    assert status == 200, body
+
+
+async def test_half_sent_heads_are_closed_with_408_and_others_are_served(tmp_path: Path) -> None:
+    async with rig(tmp_path, max_connections_per_peer=64) as r:
+        slow = [await connect(r.port) for _ in range(40)]
+        for _, writer in slow:
+            writer.write(b"POST /r/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: 1")
+        silent = [await connect(r.port) for _ in range(5)]  # never send a byte
+        await chat_ok(r.port)
+        started = time.monotonic()
+        for reader, _ in slow:
+            assert_json_error(*await answer(reader), 408)
+        for reader, _ in silent:
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed without a word
+        assert time.monotonic() - started < 8
+        await chat_ok(r.port)
+        assert "Traceback" not in r.log()
+
+
+async def test_an_idle_kept_alive_connection_is_closed_after_idle_timeout(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        writer.write(head(Content_Length=str(len(CHAT))) + CHAT)
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert first.startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        with suppress(ConnectionError):
+            while await asyncio.wait_for(reader.read(65536), 10):
+                pass
+        assert 1.0 < time.monotonic() - started < 8  # the rest of the answer, then idle_timeout
+
+
+async def test_connections_per_peer_are_capped(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        held = [await connect(r.port) for _ in range(8)]
+        for _, writer in held:
+            writer.write(b"G")  # a head begun, so each one is surely accepted and counted
+        await asyncio.sleep(0.3)
+        reader, writer = await connect(r.port)
+        status, headers, body = await answer(reader)
+        assert_json_error(status, headers, body, 503)
+        assert headers["retry-after"] == "5"
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.5)
+        await chat_ok(r.port)
+
+
+async def test_a_declared_body_over_max_body_is_refused_before_it_is_sent(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        writer.write(head(Content_Length=str(MAX_BODY + 1)))  # and not one byte of the body
+        assert_json_error(*await answer(reader, timeout=5), 413)
+        reader, writer = await connect(r.port)
+        writer.write(head(Content_Length=str(10 ** 12)))
+        assert_json_error(*await answer(reader, timeout=5), 413)
+
+
+async def test_a_chunked_body_is_cut_at_max_body_with_the_same_json_413(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        writer.write(head(Transfer_Encoding="chunked"))
+        chunk = b"%x\r\n%s\r\n" % (64 * 1024, b"x" * 64 * 1024)
+        sent = 0
+        with suppress(ConnectionError):
+            while sent < 40 * MAX_BODY and not reader.at_eof():
+                writer.write(chunk)
+                await writer.drain()
+                sent += len(chunk)
+                if reader._buffer:  # the answer has begun
+                    break
+        assert_json_error(*await answer(reader), 413)
+        assert sent < 16 * MAX_BODY  # what the socket buffers took before the answer arrived
+        await chat_ok(r.port)
+
+
+async def test_an_oversized_request_head_is_431(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        writer.write(head(X_Pad="a" * 200_000, Content_Length=str(len(CHAT))) + CHAT)
+        assert_json_error(*await answer(reader), 431)
+        reader, writer = await connect(r.port)
+        writer.write(b"GET /r/health HTTP/1.1\r\n" + b"X-Pad: a\r\n" * 20_000)  # never ends
+        assert_json_error(*await answer(reader), 431)
+
+
+# ---------------------------------------------------------------- a hostile upstream
+
+
+@asynccontextmanager
+async def giant_head_upstream(head_bytes: int) -> AsyncIterator[str]:
+    """Answers the poller like llama-server; answers a completion with a `head_bytes` header."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                request_head = await reader.readuntil(b"\r\n\r\n")
+                line = request_head.split(b"\r\n", 1)[0]
+                length = next((int(h.split(b":")[1]) for h in request_head.split(b"\r\n")
+                               if h.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if line.startswith(b"POST"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+                    for _ in range(head_bytes // 65536):
+                        writer.write(b"X-Big: " + b"a" * 65526 + b"\r\n")
+                        await writer.drain()
+                    writer.write(b"Content-Length: 2\r\n\r\n{}")
+                    await writer.drain()
+                    continue
+                path = line.split(b" ")[1]
+                body = {b"/health": b'{"status":"ok"}', b"/v1/models": b'{"data":[{"id":"m"}]}',
+                        b"/props": b'{"total_slots":1,"default_generation_settings":{"n_ctx":4096}}'
+                        }.get(path, b'{"error":"nf"}')
+                status = b"200 OK" if path in (b"/health", b"/v1/models", b"/props") else b"404 Not Found"
+                writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_a_giant_response_head_is_crossbars_502_and_marks_the_host(tmp_path: Path) -> None:
+    async with giant_head_upstream(8 * 1024 * 1024) as url, rig(tmp_path, base_url=url) as r:
+        reader, writer = await connect(r.port)
+        writer.write(head(Content_Length=str(len(CHAT)), Connection="close") + CHAT)
+        status, headers, body = await answer(reader, timeout=20)
+        assert_json_error(status, headers, body, 502)
+        assert b"X-Big" not in body and "x-big" not in headers
+        reader, writer = await connect(r.port)
+        writer.write(head("GET", "/_crossbar/hosts", Connection="close"))
+        status, _, body = await answer(reader)
+        assert status == 200
+        hosts = json.loads(body)
+        assert hosts["a"]["healthy"] is False
+        reader, writer = await connect(r.port)
+        writer.write(head("GET", "/_crossbar/metrics", Connection="close"))
+        _, _, body = await answer(reader)
+        assert b'crossbar_rejected_total{reason="upstream_head_too_large"} 1.0' in body
+
+
+# ---------------------------------------------------------------- the pure framing, as tables
+
+
+@pytest.mark.parametrize(("head_bytes", "framing"), [
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", ("head", 0)),
+    (b"POST / HTTP/1.1\r\nContent-Length: 12\r\n\r\n", ("length", 12)),
+    (b"POST / HTTP/1.1\r\ncontent-length: 0\r\n\r\n", ("head", 0)),
+    (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n", ("chunked", 0)),
+    (b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", ("pass", 0)),
+    (b"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", ("pass", 0)),
+    (b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", ("pass", 0)),
+])
+def test_body_framing(head_bytes: bytes, framing: tuple[str, int]) -> None:
+    assert body_framing(head_bytes) == framing
+
+
+def feed_bytewise(framer: RequestFramer, data: bytes) -> tuple[bytes, Any]:
+    out = b""
+    for i in range(len(data)):
+        got, refusal = framer.feed(data[i:i + 1])
+        out += got
+        if refusal:
+            return out, refusal
+    return out, None
+
+
+def test_request_framer_holds_back_heads_and_passes_bodies_and_pipelined_requests() -> None:
+    one = b"POST /a HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello"
+    chunked = b"POST /b HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3;x=1\r\nabc\r\n0\r\nT: 1\r\n\r\n"
+    get = b"GET /c HTTP/1.1\r\n\r\n"
+    stream = b"\r\n" + one + chunked + get
+    for feed in (lambda f, d: f.feed(d), feed_bytewise):
+        framer = RequestFramer(max_head=1024, max_body=100)
+        out, refusal = feed(framer, stream)
+        assert refusal is None and out == one + chunked + get
+        assert framer.state == "head" and not framer.head_started
+    framer = RequestFramer(max_head=1024, max_body=100)
+    assert framer.feed(b"GET /c HTTP/1.1\r\nHo") == (b"", None) and framer.head_started
+
+
+@pytest.mark.parametrize(("data", "status"), [
+    (b"GET / HTTP/1.1\r\nX: " + b"a" * 2000, 431),
+    (b"GET / HTTP/1.1\r\nX: " + b"a" * 2000 + b"\r\n\r\n", 431),
+    (b"POST / HTTP/1.1\r\nContent-Length: 101\r\n\r\n", 413),
+    (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n40\r\n" + b"x" * 64 + b"\r\n40\r\n", 413),
+])
+def test_request_framer_refusals(data: bytes, status: int) -> None:
+    for feed in (lambda f, d: f.feed(d), feed_bytewise):
+        _, refusal = feed(RequestFramer(max_head=1024, max_body=100), data)
+        assert refusal is not None and refusal.status == status
+
+
+def test_tls_and_http2_pass_untouched() -> None:
+    tls, h2 = b"\x16\x03\x01\x02\x00", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    for data in (tls + b"\x00" * 5000, h2 + b"\x00" * 5000):
+        assert RequestFramer(max_head=1024, max_body=100).feed(data) == (data, None)
+
+
+def test_chunk_counter_counts_data_not_framing() -> None:
+    counter = ChunkCounter(limit=6)
+    assert counter.feed(b"3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n", 0) == (21, "done")
+    assert ChunkCounter(limit=6).feed(b"zz\r\n", 0)[1] == "malformed"
+
+
+def test_response_head_framer() -> None:
+    framer = ResponseHeadFramer(max_head=64)
+    assert framer.feed(b"HTTP/1.1 200 OK\r\nA: b") == (b"", False)
+    assert framer.feed(b"\r\n\r\nbody") == (b"HTTP/1.1 200 OK\r\nA: b\r\n\r\nbody", False)
+    assert framer.feed(b"more body with \r\n\r\n inside") == (b"more body with \r\n\r\n inside", False)
+    framer.expect_head()
+    assert framer.feed(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n\r\n") == (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n\r\n", False)
+    framer.expect_head()
+    assert framer.feed(b"HTTP/1.1 200 OK\r\nX: " + b"a" * 100) == (b"", True)
+
+
+def rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+async def test_memory_returns_after_unfinished_uploads(tmp_path: Path) -> None:
+    """Eight uploads of 30 of their declared 32 MiB, then the clients leave: crossbar's memory
+    goes back near where it started (bounds are generous: this is not a benchmark)."""
+    async with rig(tmp_path, max_body="32MiB") as r:
+        pid = r.proxy.proc.pid
+        base = rss_mib(pid)
+        writers = []
+        for _ in range(8):
+            _, writer = await connect(r.port)
+            writer.write(head(Content_Length=str(32 * 1024 * 1024)))
+            for _ in range(30):
+                writer.write(b"x" * 1024 * 1024)
+                await writer.drain()
+            writers.append(writer)
+        await asyncio.sleep(0.5)
+        peak = rss_mib(pid)
+        assert peak - base > 150  # the buffers really were held
+        for writer in writers:
+            writer.close()
+        deadline = time.monotonic() + 10
+        while rss_mib(pid) - base > 60 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert rss_mib(pid) - base <= 60, (base, peak, rss_mib(pid))

@@ -1,0 +1,395 @@
+"""A request's whole life through a real mitmdump, on the fault paths that used to route wrong:
+a host that dies while requests queue for it, a lease that idles out under its own request, a
+retry with no slot, the first byte of a retried answer, large answers, a hook that raises, a stale
+`/slots` reading, crossbar's own errors in the metrics, misleading errors, unknown models,
+template routes in metric labels, absolute-form request targets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from accounting_util import Samples, scrape, summed
+from harness import (
+    HostSpec,
+    conversation,
+    crossbar_proxy,
+    fleet_with_route,
+    lease_event_rows,
+    post_bytes,
+    raw_http,
+    recording_upstream,
+    request_rows,
+    sim_fleet,
+    split_response,
+    wait_until,
+    write_config,
+)
+
+from llamasim import SimConfig
+
+CHAT = "/r/v1/chat/completions"
+TIMEOUT = aiohttp.ClientTimeout(total=60)
+
+
+def spec(parallel: int = 1, weight: float = 1.0, **sim: Any) -> HostSpec:
+    return HostSpec({"m": {"parallel": parallel}}, weight=weight, sim=SimConfig(models=["m"], **sim))
+
+
+async def post(url: str, body: Any) -> tuple[int, dict[str, str], bytes]:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.post(url, json=body) as resp:
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+def turn(session: str, n: int, **extra: Any) -> dict[str, Any]:
+    return {"messages": conversation(session, n + 1)[n], **extra}
+
+
+# ---------------------------------------------------------------- a host dies under its queue
+
+
+async def test_requests_queued_for_a_host_that_goes_down_move_at_once(tmp_path: Path) -> None:
+    specs = {"a": spec(), "b": spec()}
+    async with fleet_with_route(tmp_path, specs, first_byte_timeout="4s",
+                                poll_timeout="500ms") as (fleet, proxy):
+        assert (await post(proxy.url + CHAT, turn("s", 0)))[0] == 200
+        assert (await request_rows(proxy))[-1].host == "a"
+        fleet["a"].set(hang=True)  # accepts connections, never answers (the poller too)
+        hung = asyncio.create_task(post(proxy.url + CHAT, turn("s", 1)))
+        await wait_until(lambda: proxy.router.in_flight("a", "m") == 1, what="turn 2 running on a")
+        t0 = time.monotonic()
+        queued = asyncio.create_task(post(proxy.url + CHAT, turn("s", 2)))
+        await wait_until(lambda: proxy.router.queued("a", "m") == 1, what="turn 3 queued behind it")
+        status, _, body = await queued
+        waited = time.monotonic() - t0
+        await hung
+        rows = await request_rows(proxy)
+    assert status == 200, body
+    assert waited < 4, "turn 3 waited for the hung slot instead of moving when a went down"
+    assert rows[-1].host == "b" or rows[-2].host == "b"
+
+
+# ---------------------------------------------------------------- idle counts from the end
+
+
+async def test_a_lease_never_idles_out_under_its_own_request(tmp_path: Path) -> None:
+    specs = {"a": spec(parallel=2, token_ms=100), "b": spec(parallel=2)}
+    async with fleet_with_route(tmp_path, specs, lease_idle="1s") as (_fleet, proxy):
+        status, _, _ = await post(proxy.url + CHAT, turn("s", 0, max_tokens=30))  # ~3 s on a
+        assert status == 200
+        assert (await post(proxy.url + CHAT, turn("s", 1, max_tokens=1)))[0] == 200
+        await asyncio.sleep(2.5)  # really idle now: the sweep drops the lease
+        await wait_until(lambda: proxy.router.leases.count() == 0, what="the idle sweep")
+        assert (await post(proxy.url + CHAT, turn("s", 2, max_tokens=1)))[0] == 200
+        rows = await request_rows(proxy)
+    assert [r.decision for r in rows] == ["new", "reused", "moved:idle"]
+
+
+# ---------------------------------------------------------------- a retry that cannot run
+
+
+async def test_a_500_retry_without_a_slot_changes_nothing(tmp_path: Path) -> None:
+    specs = {"a": spec(token_ms=100), "b": spec()}
+    async with fleet_with_route(tmp_path, specs, queue_max=0) as (fleet, proxy):
+        busy = asyncio.create_task(post(proxy.url + CHAT, turn("busy", 0, max_tokens=40)))  # a, ~4 s
+        await wait_until(lambda: proxy.router.in_flight("a", "m") == 1, what="a busy")
+        assert (await post(proxy.url + CHAT, turn("s", 0, max_tokens=1)))[0] == 200  # a is full → b
+        fleet["b"].set(fail_status=500, fail_times=1)
+        status, _, _ = await post(proxy.url + CHAT, turn("s", 1, max_tokens=1))
+        lease = {lease.key.fp: lease.host for lease in proxy.router.leases.leases_of("r")}
+        await busy
+        rows = await request_rows(proxy)
+        events = await lease_event_rows(proxy)
+    assert status == 500  # b's own answer: the retry on a could not get a slot
+    assert rows[-2].host == "b" and rows[-2].status == 500
+    assert sorted(lease.values()) == ["a", "b"]
+    assert not [e for e in events if e.reason in ("retried", "unhealthy")]
+
+
+# ---------------------------------------------------------------- TTFB of a retried answer
+
+
+async def test_ttfb_of_a_retried_request_is_when_the_client_got_its_first_byte(tmp_path: Path) -> None:
+    specs = {"a": spec(fail_status=500, fail_times=1), "b": spec(token_ms=50)}
+    async with fleet_with_route(tmp_path, specs) as (_fleet, proxy):
+        t0 = time.monotonic()
+        status, headers, _ = await post(proxy.url + CHAT, turn("s", 0, max_tokens=10))
+        elapsed_ms = (time.monotonic() - t0) * 1000
+        (row,) = await request_rows(proxy)
+        _, samples = await scrape(proxy.url)
+    assert status == 200 and headers.get("X-Crossbar-Retried") == "1"
+    assert row.host == "b" and row.decision == "retried"
+    assert row.ttfb_ms is not None and 400 <= row.ttfb_ms <= elapsed_ms + 50
+    assert summed(samples, "crossbar_ttfb_seconds_sum", host="b") >= 0.4
+
+
+# ---------------------------------------------------------------- answers are not capped
+
+
+async def test_a_large_answer_is_never_cut_by_the_request_body_limit(tmp_path: Path) -> None:
+    big = json.dumps({"object": "list", "data": [{"embedding": [0.125] * 300_000}],
+                      "usage": {"prompt_tokens": 3, "total_tokens": 3}}).encode()
+    assert len(big) > 2 << 20
+    async with recording_upstream(big, [b""]) as up:
+        cfg = write_config(tmp_path / "c.toml", {"a": (up.url, HostSpec({"m": {}}))},
+                           {"r": {"hosts": ["a"], "default_model": "m"}}, max_body="64KiB")
+        async with crossbar_proxy(cfg) as proxy:
+            status, _, body = await post(proxy.url + "/r/v1/embeddings", {"input": "hello"})
+            (row,) = await request_rows(proxy)
+    assert status == 200 and body == big
+    assert row.status == 200 and row.prompt_tokens == 3
+
+
+# ---------------------------------------------------------------- a hook that raises
+
+
+async def test_a_hook_that_raises_never_leaks_the_slot(tmp_path: Path) -> None:
+    answer = b'{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":5,"completion_tokens":1}}'
+    async with sim_fleet({"a": spec(fail_status=500, fail_times=1)}) as fleet, \
+            recording_upstream(answer, [b""], {"X-Note": "caf\u00e9 \u2603"}) as up:
+        hosts = {"a": (fleet["a"].url, spec()), "b": (up.url, HostSpec({"m": {"parallel": 1}}))}
+        cfg = write_config(tmp_path / "c.toml", hosts, {"r": {"hosts": ["a", "b"], "default_model": "m"}})
+        async with crossbar_proxy(cfg) as proxy:
+            status, _, body = await post(proxy.url + CHAT, turn("s", 0))
+            rows = await request_rows(proxy)
+            busy = {h: proxy.router.in_flight(h, "m") for h in ("a", "b")}
+            live = len(proxy.router.live)
+    assert status == 200 and body == answer
+    assert busy == {"a": 0, "b": 0} and live == 0
+    assert len(rows) == 1 and rows[0].host == "b"
+
+
+# ---------------------------------------------------------------- a stale /slots reading
+
+
+async def test_a_slots_reading_taken_while_our_requests_ran_is_corrected(tmp_path: Path) -> None:
+    specs = {"a": spec(parallel=2, weight=2.0, n_slots=2, token_ms=60), "b": spec(parallel=2, n_slots=2)}
+    async with fleet_with_route(tmp_path, specs, poll_interval="60s") as (fleet, proxy):
+        running = [asyncio.create_task(post(proxy.url + CHAT, turn(f"s{i}", 0, max_tokens=20)))
+                   for i in range(2)]
+        await wait_until(lambda: fleet["a"].stats.inflight.get("m", 0) == 2, what="both running on a")
+        await proxy.router.poller.poll_once()  # a poll round while they run: /slots says 0 free
+        await asyncio.gather(*running)
+        status, _, _ = await post(proxy.url + CHAT, turn("fresh", 0, max_tokens=1))
+        rows = await request_rows(proxy)
+    assert status == 200
+    assert [r.host for r in rows] == ["a", "a", "a"], "an idle host was still seen full"
+
+
+# ---------------------------------------------------------------- crossbar's own errors, counted
+
+
+async def test_crossbar_own_errors_are_counted_by_reason(tmp_path: Path) -> None:
+    async with fleet_with_route(tmp_path, {"a": spec()}, max_body="1KiB") as (_fleet, proxy):
+        answers = [
+            await post(proxy.url + "/nope/v1/chat/completions", turn("s", 0)),
+            await post(proxy.url + CHAT, {"messages": "not a list"}),
+            await post(proxy.url + CHAT, {"messages": [{"role": "user", "content": "x" * 4000}]}),
+        ]
+        _, samples = await scrape(proxy.url)
+    assert [a[0] for a in answers] == [404, 400, 413]
+    for reason in ("not_found", "bad_request", "too_large"):
+        assert summed(samples, "crossbar_rejected_total", reason=reason) == 1, reason
+
+
+async def test_the_shutdown_503_is_counted(tmp_path: Path) -> None:
+    async with fleet_with_route(tmp_path, {"a": spec()}) as (_fleet, proxy):
+        proxy.addon.stopping = True  # what the first SIGTERM sets before it drains
+        status, _, _ = await post(proxy.url + CHAT, turn("s", 0))
+        proxy.addon.stopping = False
+        _, samples = await scrape(proxy.url)
+    assert status == 503
+    assert summed(samples, "crossbar_rejected_total", reason="shutting_down") == 1
+
+
+# ---------------------------------------------------------------- errors that said the wrong thing
+
+
+async def test_a_missing_model_is_llama_servers_400(tmp_path: Path) -> None:
+    async with sim_fleet({"a": spec()}) as fleet:
+        cfg = write_config(tmp_path / "c.toml", {"a": (fleet["a"].url, spec())}, {"r": {"hosts": ["a"]}})
+        async with crossbar_proxy(cfg) as proxy:
+            status, _, body = await post(proxy.url + CHAT, {"messages": conversation("s", 1)[0]})
+    assert status == 400
+    assert json.loads(body) == {"error": {"code": 400, "type": "invalid_request_error",
+                                          "message": "model name is missing from the request"}}
+
+
+async def test_an_unknown_model_is_refused_and_never_runs(tmp_path: Path) -> None:
+    """Six invented model names at once on a pinned route of a host with one slot: each is
+    refused in llama-server's shape and nothing reaches the host."""
+    async with sim_fleet({"a": spec(n_slots=1)}) as fleet:
+        cfg = write_config(tmp_path / "c.toml", {"a": (fleet["a"].url, spec())},
+                           {"r": {"hosts": ["a"], "default_model": "m", "pin": "a"}})
+        async with crossbar_proxy(cfg) as proxy:
+            answers = await asyncio.gather(*(post(proxy.url + CHAT, turn("s", 0, model=f"fake{i}"))
+                                             for i in range(1, 7)))
+            started = fleet["a"].stats.completions_started
+            _, samples = await scrape(proxy.url)
+    for i, (status, _, body) in enumerate(answers, 1):
+        assert status == 400
+        assert json.loads(body)["error"] == {"code": 400, "type": "invalid_request_error",
+                                             "message": f"model 'fake{i}' not found"}
+    assert started == 0
+    assert not any(labels.get("model", "").startswith("fake") for (_, labels) in _label_sets(samples))
+
+
+def _label_sets(samples: Samples) -> list[tuple[str, dict[str, str]]]:
+    return [(name, dict(labels)) for (name, labels) in samples]
+
+
+async def test_a_single_server_shares_its_slots_across_model_names(tmp_path: Path) -> None:
+    """A host that is not a router, listed with two names: both count against its one slot."""
+    async with sim_fleet({"a": spec(n_slots=2, token_ms=50)}) as fleet:
+        host = HostSpec({"m": {"parallel": 1}, "alias": {"parallel": 1}})
+        cfg = write_config(tmp_path / "c.toml", {"a": (fleet["a"].url, host)},
+                           {"r": {"hosts": ["a"], "default_model": "m"}})
+        async with crossbar_proxy(cfg) as proxy:
+            answers = await asyncio.gather(
+                post(proxy.url + CHAT, turn("s1", 0, model="m", max_tokens=10)),
+                post(proxy.url + CHAT, turn("s2", 0, model="alias", max_tokens=10)))
+            peak = max(fleet["a"].stats.max_concurrent.values())
+    assert [a[0] for a in answers] == [200, 200]
+    assert peak == 1
+
+
+async def test_the_context_error_names_the_routes_own_hosts(tmp_path: Path) -> None:
+    """The 400 reports the largest per-slot context among the route's hosts that serve the
+    model (a `ctx` override included), not the largest anywhere; /_crossbar/hosts shows it."""
+    specs = {"small": spec(parallel=2, ctx=8192), "big": spec(parallel=2, ctx=65536)}
+    async with sim_fleet(specs) as fleet:
+        hosts = {"small": (fleet["small"].url, HostSpec({"m": {"parallel": 2, "ctx": 3000}})),
+                 "big": (fleet["big"].url, specs["big"])}
+        routes = {"r": {"hosts": ["small"], "default_model": "m"},
+                  "all": {"hosts": ["small", "big"], "default_model": "m"}}
+        cfg = write_config(tmp_path / "c.toml", hosts, routes)
+        async with crossbar_proxy(cfg) as proxy:
+            await wait_until(lambda: proxy.router.fleet.slot_ctx("big", "m") == 32768, what="big polled")
+            prompt = {"messages": [{"role": "user", "content": "w" * 20_000}]}
+            status, _, body = await post(proxy.url + CHAT, prompt)
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, \
+                    s.get(proxy.url + "/_crossbar/hosts") as resp:
+                hosts_view = await resp.json()
+    assert status == 400
+    err = json.loads(body)["error"]
+    assert err["type"] == "exceed_context_size_error" and err["n_ctx"] == 3000
+    assert hosts_view["small"]["ctx"] == {"m": 3000}
+    assert hosts_view["big"]["ctx"] == {"m": 32768}
+
+
+# ---------------------------------------------------------------- bounded labels and views
+
+
+async def test_template_routes_are_labelled_by_their_template(tmp_path: Path) -> None:
+    async with sim_fleet({"a": spec(parallel=2)}) as fleet:
+        cfg = write_config(tmp_path / "c.toml", {"a": (fleet["a"].url, spec(parallel=2))},
+                           {"opencode-*": {"hosts": ["a"], "default_model": "m"}})
+        async with crossbar_proxy(cfg) as proxy:
+            for name in ("opencode-1", "opencode-2", "opencode-3"):
+                assert (await post(f"{proxy.url}/{name}/v1/chat/completions", turn(name, 0)))[0] == 200
+            _, samples = await scrape(proxy.url)
+    routes = {labels["route"] for name, labels in _label_sets(samples) if "route" in labels}
+    assert routes == {"opencode-*"}
+
+
+async def test_the_routes_view_is_summarised(tmp_path: Path) -> None:
+    async with fleet_with_route(tmp_path, {"a": spec(parallel=4)}) as (_fleet, proxy):
+        for i in range(60):
+            proxy.router.leases.apply(*_fake_lease(i))
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s, \
+                s.get(proxy.url + "/_crossbar/routes") as resp:
+            view = await resp.json()
+    r = view["r"]
+    assert r["lease_count"] == 60 and r["hosts_leases"] == {"a": 60}
+    assert len(r["leases"]) == 50
+    assert r["leases"][0]["fp"] == "fp59"  # most recently used first
+
+
+def _fake_lease(i: int) -> tuple[Any, Any, float]:
+    from crossbar.lease import Key
+    from crossbar.placement import Change, LeaseChange
+
+    return Key("r", f"fp{i}", "m"), LeaseChange(Change.CREATE, "a"), 1000.0 + i
+
+
+# ---------------------------------------------------------------- absolute-form targets
+
+
+@asynccontextmanager
+async def request_line_recorder() -> AsyncIterator[tuple[int, list[bytes]]]:
+    """A bare HTTP/1.1 upstream that records each request line and answers like llama-server."""
+    lines: list[bytes] = []
+    answers = {b"/health": b'{"status":"ok"}', b"/v1/models": b'{"data":[{"id":"m"}]}',
+               b"/props": b'{"total_slots":1,"default_generation_settings":{"n_ctx":4096}}'}
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                first, *fields = head.split(b"\r\n")
+                length = next((int(f.split(b":", 1)[1]) for f in fields
+                               if f.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                target = first.split(b" ")[1]
+                if first.startswith(b"POST"):
+                    lines.append(first)
+                body = answers.get(target, b'{"choices":[],"usage":{"prompt_tokens":1}}')
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], lines
+    finally:
+        server.close()
+
+
+async def test_an_absolute_form_request_reaches_the_host_in_origin_form(tmp_path: Path) -> None:
+    async with request_line_recorder() as (port, lines):
+        cfg = write_config(tmp_path / "c.toml", {"a": (f"http://127.0.0.1:{port}", HostSpec({"m": {}}))},
+                           {"r": {"hosts": ["a"], "default_model": "m"}})
+        async with crossbar_proxy(cfg) as proxy:
+            body = json.dumps(turn("s", 0)).encode()
+            raw = await raw_http(proxy.port, post_bytes("http://foreign.example/r/v1/chat/completions", body))
+    status, _, _ = split_response(raw)
+    assert status == 200
+    assert lines == [b"POST /v1/chat/completions HTTP/1.1"]
+
+
+
+async def test_a_full_route_evicts_its_oldest_idle_lease_and_counts_it(tmp_path: Path) -> None:
+    async with fleet_with_route(tmp_path, {"a": spec(parallel=2)}) as (_fleet, proxy):
+        proxy.router.leases.max_per_route = 3  # the same bound as in production, made small
+        for i in range(5):
+            assert (await post(proxy.url + CHAT, turn(f"s{i}", 0, max_tokens=1)))[0] == 200
+        fps = [lease.key.fp for lease in proxy.router.leases.leases_of("r")]
+        _, samples = await scrape(proxy.url)
+        rows = await request_rows(proxy)
+    assert len(fps) == 3 and fps == [r.fp for r in rows[:1:-1]]  # the three most recent stay
+    assert summed(samples, "crossbar_lease_moves_total", reason="evicted") == 2
+
+
+async def test_the_first_byte_timer_names_the_host_it_was_armed_for() -> None:
+    """A request moved after its timer was armed (a refused server_connect, then a queue) must
+    not have the old timer blame its new host."""
+    from crossbar.config import RouteConf
+    from crossbar.exchange import Exchange
+    from crossbar.lease import Key
+
+    fired: list[str] = []
+    ex = Exchange(route=RouteConf("r", ("a", "b")), key=Key("r", "", "m"), path="/v1/chat/completions",
+                  completion=True, host="a")
+    ex.arm_deadline(0.05, fired.append)
+    ex.host = "b"  # moved: re-armed when it is sent again
+    ex.arm_deadline(0.05, fired.append)
+    await asyncio.sleep(0.2)
+    assert fired == ["b"]

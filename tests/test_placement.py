@@ -1,0 +1,162 @@
+"""Placement as a table: request facts + fleet snapshot + lease view → placement or refusal.
+
+Each row is one situation, including the combined faults the request path meets: a host down while
+the request queued for it, a retry with nowhere to go, a pinned host down, a draining host, a prompt
+that outgrew its host, a lease idle by the clock but with a request in flight, excluded hosts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from crossbar.choose import Candidate
+from crossbar.decisions import Decision, Reason, Rejection
+from crossbar.placement import Ask, Change, LeaseChange, LeaseView, Placement, Refusal, Snapshot, place
+
+HOSTS = ("a", "b", "c")
+NOW = 10_000.0
+IDLE = 600.0
+
+
+@dataclass(frozen=True)
+class H:
+    """A host's state for the model; defaults: healthy, open, loaded, one free slot."""
+
+    healthy: bool = True
+    draining: bool = False
+    loaded: bool = True
+    listed: bool = True
+    free: int = 1
+    ctx: int = 0
+
+
+@dataclass(frozen=True)
+class Case:
+    hosts: dict[str, H] = field(default_factory=lambda: {h: H() for h in HOSTS})
+    lease: LeaseView = field(default_factory=LeaseView)
+    model: str = "m"
+    fp: str = "fp"
+    read: bool = False
+    tokens: int = 0
+    excluded: frozenset[str] = frozenset()
+    why: Reason = Reason.UNHEALTHY
+    known: bool = True
+
+
+def run(case: Case) -> Placement | Refusal:
+    snap = Snapshot(
+        {n: Candidate(n, h.healthy, h.draining, h.loaded, h.listed, h.free, 1.0, 0, i)
+         for i, (n, h) in enumerate(case.hosts.items())},
+        {n: h.ctx for n, h in case.hosts.items()}, case.known)
+    ask = Ask("r", case.model, tuple(case.hosts), fp=case.fp, read=case.read, tokens=case.tokens,
+              excluded=case.excluded, why=case.why)
+    return place(ask, snap, case.lease, NOW, IDLE)
+
+
+def fleet(**changes: H) -> dict[str, H]:
+    return {h: changes.get(h, H()) for h in HOSTS}
+
+
+LIVE = LeaseView(host="a", last_used=NOW - 1)
+
+P = Placement
+CREATE_B = LeaseChange(Change.CREATE, "b")
+
+CASES: dict[str, tuple[Case, Placement | Refusal]] = {
+    "new conversation → most free slots": (
+        Case(hosts=fleet(b=H(free=3))), P("b", Decision.NEW, CREATE_B)),
+    "lease reused": (Case(lease=LIVE), P("a", Decision.REUSED, LeaseChange(Change.USE, "a"))),
+    "lease reused though another host is freer": (
+        Case(hosts=fleet(b=H(free=9)), lease=LIVE), P("a", Decision.REUSED, LeaseChange(Change.USE, "a"))),
+    "lease host down → moves": (
+        Case(hosts=fleet(a=H(healthy=False), b=H(free=2)), lease=LIVE),
+        P("b", Decision.MOVED, LeaseChange(Change.MOVE, "b", "a", Reason.UNHEALTHY))),
+    "host marked down while the request queued for it → moves": (
+        Case(hosts=fleet(a=H(healthy=False, free=0), c=H(free=2)), lease=LIVE),
+        P("c", Decision.MOVED, LeaseChange(Change.MOVE, "c", "a", Reason.UNHEALTHY))),
+    "refused connect → retried elsewhere, reason unhealthy": (
+        Case(lease=LIVE, excluded=frozenset({"a"})),
+        P("b", Decision.RETRIED, LeaseChange(Change.MOVE, "b", "a", Reason.UNHEALTHY))),
+    "500 → retried elsewhere, reason retried": (
+        Case(lease=LIVE, excluded=frozenset({"a"}), why=Reason.RETRIED),
+        P("b", Decision.RETRIED, LeaseChange(Change.MOVE, "b", "a", Reason.RETRIED))),
+    "retry with every other host excluded or down → no host": (
+        Case(hosts=fleet(c=H(healthy=False)), lease=LIVE, excluded=frozenset({"a", "b"})),
+        Refusal(Rejection.NO_HOST, "route 'r': no usable host for model 'm'", wake=("c",))),
+    "draining host keeps its lease": (
+        Case(hosts=fleet(a=H(draining=True)), lease=LIVE),
+        P("a", Decision.REUSED, LeaseChange(Change.USE, "a"))),
+    "draining host takes no new conversation": (
+        Case(hosts=fleet(a=H(draining=True, free=5))), P("b", Decision.NEW, CREATE_B)),
+    "draining host's lease fails → moves to an open host": (
+        Case(hosts=fleet(a=H(draining=True), b=H(draining=True)), lease=LIVE, excluded=frozenset({"a"})),
+        P("c", Decision.RETRIED, LeaseChange(Change.MOVE, "c", "a", Reason.UNHEALTHY))),
+    "pinned": (Case(lease=LeaseView(pin="b")), P("b", Decision.PINNED, CREATE_B)),
+    "pinned, lease elsewhere → moves to the pin": (
+        Case(lease=replace(LIVE, pin="b")),
+        P("b", Decision.PINNED, LeaseChange(Change.MOVE, "b", "a", Reason.PIN))),
+    "pinned host down → refused, wake it, nothing moves": (
+        Case(hosts=fleet(b=H(healthy=False)), lease=replace(LIVE, pin="b")),
+        Refusal(Rejection.PINNED_DOWN, "route 'r' is pinned to 'b', which is not healthy", wake=("b",))),
+    "pinned host failed this request → refused, not moved": (
+        Case(lease=LeaseView(pin="b", host="b", last_used=NOW), excluded=frozenset({"b"})),
+        Refusal(Rejection.PINNED_DOWN, "route 'r' is pinned to 'b', which is not healthy", wake=("b",))),
+    "prompt outgrew its host → moves where it fits": (
+        Case(hosts=fleet(a=H(ctx=4096), b=H(ctx=2048), c=H(ctx=32768)), lease=LIVE, tokens=5000),
+        P("c", Decision.CONTEXT, LeaseChange(Change.MOVE, "c", "a", Reason.CONTEXT))),
+    "prompt fits nowhere → refused with the largest context of the route": (
+        Case(hosts=fleet(a=H(ctx=4096), b=H(ctx=8192), c=H(ctx=2048)), lease=LIVE, tokens=9000),
+        Refusal(Rejection.CONTEXT, "prompt too large: request (~9000 tokens) exceeds the available context "
+                "size (8192 tokens) of every host that serves this model", n_ctx=8192)),
+    "unknown context never refuses": (Case(lease=LIVE, tokens=10**6),
+                                      P("a", Decision.REUSED, LeaseChange(Change.USE, "a"))),
+    "idle by the clock, but a request in flight → reused": (
+        Case(lease=LeaseView(host="a", last_used=NOW - 10 * IDLE, busy=True)),
+        P("a", Decision.REUSED, LeaseChange(Change.USE, "a"))),
+    "idle → placed anew": (
+        Case(hosts=fleet(b=H(free=4)), lease=LeaseView(host="a", last_used=NOW - IDLE - 1)),
+        P("b", Decision.IDLE, LeaseChange(Change.RENEW, "b", "a", Reason.IDLE))),
+    "its lease was swept for idleness → placed anew, recorded as idle": (
+        Case(lease=LeaseView(idled="a"), hosts=fleet(b=H(free=3))),
+        P("b", Decision.IDLE, LeaseChange(Change.CREATE, "b"))),
+    "new fingerprint inherits the route lease": (
+        Case(hosts=fleet(b=H(free=4)), lease=LeaseView(parent="c")),
+        P("c", Decision.INHERITED, LeaseChange(Change.CREATE, "c"))),
+    "no inheritance from a draining host": (
+        Case(hosts=fleet(c=H(draining=True)), lease=LeaseView(parent="c")),
+        P("a", Decision.NEW, LeaseChange(Change.CREATE, "a"))),
+    "nobody has the model loaded → a host that lists it will load it": (
+        Case(hosts=fleet(a=H(loaded=False), b=H(loaded=False), c=H(loaded=False, listed=False))),
+        P("a", Decision.NEW, LeaseChange(Change.CREATE, "a"), loads_model=True)),
+    "every host down → refused, the sleeping ones named for waking": (
+        Case(hosts={h: H(healthy=False) for h in HOSTS}),
+        Refusal(Rejection.NO_HOST, "route 'r': no usable host for model 'm'", wake=HOSTS)),
+    "missing model": (
+        Case(model=""), Refusal(Rejection.MISSING_MODEL, "model name is missing from the request")),
+    "unknown model": (
+        Case(model="fake1", known=False), Refusal(Rejection.UNKNOWN_MODEL, "model 'fake1' not found")),
+    "read follows the route's lease": (
+        Case(read=True, lease=LeaseView(route_hosts=("c", "a"))), P("c", Decision.REUSED)),
+    "read skips a lease host that is down": (
+        Case(read=True, hosts=fleet(c=H(healthy=False)), lease=LeaseView(route_hosts=("c", "b"))),
+        P("b", Decision.REUSED)),
+    "read without a model goes to the first usable host": (
+        Case(read=True, model="", hosts=fleet(a=H(healthy=False))), P("b", Decision.NEW)),
+    "read on a pinned route → the pin, no lease change": (
+        Case(read=True, lease=LeaseView(pin="c")), P("c", Decision.PINNED)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_placement(name: str) -> None:
+    case, expected = CASES[name]
+    assert run(case) == expected
+
+
+def test_no_change_on_a_refusal_or_a_read() -> None:
+    """Refusals carry no lease change at all, and reads never create one."""
+    for case, expected in CASES.values():
+        if case.read and isinstance(expected, Placement):
+            assert expected.change.kind == Change.NONE

@@ -1,0 +1,81 @@
+"""crossbar.writebehind with a sink in memory, and backend.transient's reading of errors."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+
+import pytest
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from crossbar.backend import transient
+from crossbar.writebehind import Op, WriteBehind
+
+log = logging.getLogger("test.writebehind")
+
+
+def sqlite_error(message: str) -> OperationalError:
+    return OperationalError("INSERT …", {}, sqlite3.OperationalError(message))
+
+
+class MemorySink:
+    """Commits all-or-nothing; ops of kind "refused" raise `refusal`, and the first `outages`
+    commits fail as if the database were locked."""
+
+    def __init__(self, refusal: Exception, outages: int = 0) -> None:
+        self.refusal = refusal
+        self.outages = outages
+        self.rows: list[dict[str, object]] = []
+        self.recovered = 0
+
+    def commit(self, ops: list[Op]) -> None:
+        if self.outages:
+            self.outages -= 1
+            raise sqlite_error("database is locked")
+        if any(op.kind == "refused" for op in ops):
+            raise self.refusal
+        self.rows.extend(op.data for op in ops)
+
+    def transient(self, exc: Exception) -> bool:
+        return transient(exc)
+
+    def recover(self, exc: Exception) -> None:
+        self.recovered += 1
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        sqlite_error("integer overflow"),
+        IntegrityError("INSERT …", {}, Exception("NOT NULL constraint failed")),
+        OverflowError("Python int too large to convert to SQLite INTEGER"),
+    ],
+)
+def test_a_refused_operation_is_dropped_and_everything_behind_it_lands(refusal: Exception) -> None:
+    sink = MemorySink(refusal, outages=1)
+    queue = WriteBehind(sink, name="memory", droppable=(), max_pending=100, log=log, linger=0)
+    queue.put("row", {"n": 1})
+    queue.put("refused", {"n": 2})
+    queue.put("row", {"n": 3})
+    queue.start("test-writer")
+    assert queue.flush(timeout=5)
+    assert sink.rows == [{"n": 1}, {"n": 3}]
+    assert (queue.dropped, sink.recovered, queue.pending) == (1, 1, 0)
+    queue.put("row", {"n": 4})  # the writer is not wedged
+    assert queue.flush(timeout=5) and sink.rows[-1] == {"n": 4}
+    queue.stop()
+
+
+@pytest.mark.parametrize(
+    ("message", "retry"),
+    [
+        ("database is locked", True),
+        ("attempt to write a readonly database", True),
+        ("unable to open database file", True),
+        ("database or disk is full", True),
+        ("integer overflow", False),
+        ("string or blob too big", False),
+    ],
+)
+def test_sqlite_errors_that_are_worth_a_retry(message: str, retry: bool) -> None:
+    assert transient(sqlite_error(message)) is retry
