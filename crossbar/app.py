@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from crossbar import errors
 from crossbar.choose import Candidate
-from crossbar.config import Config, RouteConf
+from crossbar.config import Config, HostConf, RouteConf
 from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.exchange import Exchange
 from crossbar.guard import TokenEstimator, overflow
@@ -27,6 +27,8 @@ from crossbar.lease import LeaseEvent, LeaseTable
 from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull
 from crossbar.metrics import LiveCollector, Metrics, SlotRow
 from crossbar.placement import Ask, Placement, Refusal, Snapshot, place
+from crossbar.reload import Change, stranded
+from crossbar.request import match_route
 from crossbar.store import Store
 from crossbar.wake import Waker
 
@@ -74,10 +76,9 @@ class Router:
 
     async def _roll_up(self) -> None:
         """Rows older than `retention` go into `requests_daily`, on the store's writer thread."""
-        every = min(3600.0, max(1.0, self.cfg.retention / 10))
         while True:
             self.store.schedule_rollup(time.time() - self.cfg.retention)
-            await asyncio.sleep(every)
+            await asyncio.sleep(min(3600.0, max(1.0, self.cfg.retention / 10)))
 
     async def drain(self, timeout: float) -> bool:
         """Wait until every admitted request has ended (or `timeout`); True when none is left."""
@@ -91,6 +92,68 @@ class Router:
             self._housekeeping.cancel()
         await self.poller.stop()
         await asyncio.to_thread(self.store.close)
+
+    # ------------------------------------------------------------ reload
+
+    def reconfigure(self, new: Config, change: Change) -> int:
+        """Take a reloaded configuration while requests run. Requests in flight or queued keep
+        their host (a removed host's settings stay until they end); leases whose host the new
+        configuration takes away are dropped (placed anew at their next turn); what was learned
+        about the hosts that stay is kept. Returns how many leases were dropped."""
+        now = time.time()
+        old, self.cfg = self.cfg, new
+        for name in (*change.hosts_removed, *self.fleet.reconfigure(new.hosts)):
+            self.estimator.forget(name)
+        self.waker.hosts = new.hosts
+        self.limiter.set_queue_max(new.queue_max)
+        self.leases.idle = new.lease_idle
+        self.poller.reconfigure(new.poll_interval, new.poll_timeout)
+        self._configured_models = frozenset(m for conf in new.hosts.values() for m in conf.models)
+        self._repin(old, new, now)
+        dropped = self._drop_stranded(new, now)
+        for ex in self.live:
+            ex.route = _route_now(ex.route, ex.key.route, new)
+        self.limiter.refresh()  # a raised `parallel` admits waiters at once
+        self._sweep_retired()
+        return dropped
+
+    def host_conf(self, host: str) -> HostConf:
+        """The settings a request's host has: configured, or removed by a reload while the
+        request held it."""
+        return self.fleet.conf_of(host)
+
+    def _repin(self, old: Config, new: Config, now: float) -> None:
+        """A `pin` the reload changed is applied; a pin on a host its route no longer lists, or of
+        a route that is gone, is cleared."""
+        for name in dict.fromkeys([*old.routes, *new.routes]):
+            route, was = new.routes.get(name), old.routes.get(name)
+            want, had = (route.pin if route else ""), (was.pin if was else "")
+            if want != had:
+                if want:
+                    self.leases.pin(name, want, route.hosts if route else (), now)
+                else:
+                    self.leases.unpin(name, now)
+            pinned = self.leases.pinned(name)
+            if pinned and (route is None or pinned not in route.hosts):
+                self.leases.unpin(name, now)
+
+    def _drop_stranded(self, new: Config, now: float) -> int:
+        leases = self.leases.snapshot()
+        lost = stranded(((lease.key.route, lease.host) for lease in leases), new, match_route)
+        for i, reason in lost:
+            self.leases.drop(leases[i].key, reason, now)
+        if lost:
+            log.warning("crossbar: reload dropped %d lease(s) whose host left their route or the "
+                        "configuration; their next turns are placed anew", len(lost))
+        return len(lost)
+
+    def _sweep_retired(self) -> None:
+        """Forget removed hosts once no request holds them any more."""
+        if not self.fleet.retired:
+            return
+        held = {ex.host for ex in self.live}
+        for name in self.fleet.sweep(lambda h: h in held or self.limiter.host_totals(h) != (0, 0)):
+            self.limiter.forget(name)
 
     # ------------------------------------------------------------ a request's life
 
@@ -122,9 +185,9 @@ class Router:
                 healthy=fleet.healthy(name),
                 draining=fleet.draining(name),
                 loaded=bool(model) and fleet.loaded(name, model),
-                listed=fleet.conf[name].serves(model),
+                listed=fleet.conf_of(name).serves(model),
                 free_slots=fleet.free_slots(name, model, self.in_flight(name, model)),
-                weight=fleet.conf[name].weight,
+                weight=fleet.conf_of(name).weight,
                 queued=self.queued(name, model),
                 order=route.hosts.index(name),
             )
@@ -353,6 +416,7 @@ class Router:
             self._host_down(host)
 
     def _on_poll_round(self) -> None:
+        self._sweep_retired()
         self.limiter.refresh()
         self.leases.expire_idle(time.time())
 
@@ -373,6 +437,13 @@ class Router:
                 busy = self.in_flight(name, model)
                 yield (name, model, self.fleet.free_slots(name, model, busy), busy,
                        self.queued(name, model), self.fleet.capacity(name, self.fleet.slot_key(name, model)))
+
+
+def _route_now(route: RouteConf, name: str, cfg: Config) -> RouteConf:
+    """A running request's route in a reloaded configuration: as configured now, or, when the
+    route is gone, its old settings with only the hosts that are still configured."""
+    return match_route(name, cfg.routes) or dataclasses.replace(
+        route, hosts=tuple(h for h in route.hosts if h in cfg.hosts), pin="")
 
 
 class Lazy[T](Mapping[str, T]):

@@ -243,6 +243,14 @@ class LeaseTable:
         self.unpin(route, now)
         return len(leases)
 
+    def drop(self, key: Key, reason: Reason, now: float) -> bool:
+        """Drop one lease (a reload took its host away); its next turn is placed anew."""
+        lease = self._leases.get(key)
+        if lease is None:
+            return False
+        self._drop(lease, now, reason, None)
+        return True
+
     def drain(self, host: str, now: float) -> int:
         """Record a drain event per lease on `host`; the leases stay. Returns how many."""
         on_host = [lease for lease in self._leases.values() if lease.host == host]

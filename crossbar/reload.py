@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from crossbar.config import Config, ConfigError, RouteConf
+from crossbar.decisions import Reason
 
 # (key, why) for each setting a running crossbar cannot take over
 RESTART_ONLY: tuple[tuple[str, str], ...] = (
@@ -27,8 +28,8 @@ RESTART_ONLY: tuple[tuple[str, str], ...] = (
 RouteLookup = Callable[[str, Mapping[str, RouteConf]], RouteConf | None]
 
 # lease event reasons of a reload
-HOST_REMOVED = "host_removed"  # the lease's host left the configuration
-ROUTE_CHANGED = "route_changed"  # the lease's route no longer lists its host, or is gone
+HOST_REMOVED = Reason.HOST_REMOVED  # the lease's host left the configuration
+ROUTE_CHANGED = Reason.ROUTE_CHANGED  # the lease's route no longer lists its host, or is gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +100,7 @@ def plan_reload(old: Config, new: Config) -> Change:
 
 def stranded(
     leases: Iterable[tuple[str, str]], new: Config, route_of: RouteLookup
-) -> list[tuple[int, str]]:
+) -> list[tuple[int, Reason]]:
     """For (route name, host) pairs, the indexes whose host the new config takes away, with why.
 
     `route_of(name, routes)` resolves a concrete route name (a template match included) in the
