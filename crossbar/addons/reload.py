@@ -108,7 +108,7 @@ class Reload:
         roles = listener_roles(new)
         specs = list(roles)
         rt.roles = {**rt.roles, **roles}
-        if specs == rt.listen_specs:
+        if specs == rt.listen_specs or rt.stopping:  # a stop closes every listener: none reopens
             return []
         rt.listen_specs = specs
         return await serve_on(specs)
