@@ -57,6 +57,7 @@ class Router:
         self.live: set[Exchange] = set()  # admitted and not ended: what a graceful stop waits for
         self._housekeeping: asyncio.Task[None] | None = None
         self._configured_models = frozenset(m for conf in cfg.hosts.values() for m in conf.models)
+        self._reloaded = False  # a configuration was reloaded since start
 
     # ------------------------------------------------------------ lifecycle
 
@@ -101,7 +102,7 @@ class Router:
         configuration takes away are dropped (placed anew at their next turn); what was learned
         about the hosts that stay is kept. Returns how many leases were dropped."""
         now = time.time()
-        old, self.cfg = self.cfg, new
+        old, self.cfg, self._reloaded = self.cfg, new, True
         for name in (*change.hosts_removed, *self.fleet.reconfigure(new.hosts)):
             self.estimator.forget(name)
         self.waker.hosts = new.hosts
@@ -158,7 +159,10 @@ class Router:
     # ------------------------------------------------------------ a request's life
 
     def admit(self, ex: Exchange) -> None:
-        """The exchange is live until it ends; its conversation is in use meanwhile."""
+        """The exchange is live until it ends; its conversation is in use meanwhile. A route
+        resolved before a reload that came meanwhile is resolved again."""
+        if self._reloaded and ex.route is not self.cfg.routes.get(ex.route.name):
+            ex.route = _route_now(ex.route, ex.key.route, self.cfg)
         self.live.add(ex)
         ex.on_end(lambda: self.live.discard(ex))
         if ex.completion:

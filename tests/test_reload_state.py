@@ -198,6 +198,20 @@ def test_router_gives_running_requests_their_route_as_configured_now(router: Rou
     assert "beta" not in router.fleet.state and not router.fleet.retired
 
 
+def test_a_request_routed_before_a_reload_and_admitted_after_it_gets_the_new_route(
+        router: Router, tmp_path: Path) -> None:
+    ex = Exchange(route=router.cfg.routes["r"], key=Key("r", "f", "m"), path="/v1/chat/completions",
+                  completion=True)
+    base = raw(tmp_path / "crossbar.db")
+    new, _ = reconfigure(router, edit(edit(base, "hosts.beta", None), "routes.r.hosts", ["alpha"]))
+    assert "beta" not in router.fleet.state  # nothing held it: forgotten at once
+    router.admit(ex)
+    assert ex.route is new.routes["r"]
+    placed = router._place_once(ex, Reason.NEW)
+    assert getattr(placed, "host", None) == "alpha"
+    router.finish(ex)
+
+
 def test_router_takes_the_new_settings(router: Router, tmp_path: Path) -> None:
     base = raw(tmp_path / "crossbar.db")
     new_raw = {**base, "queue_max": 3, "lease_idle": "5m", "poll_interval": "7s"}
