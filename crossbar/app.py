@@ -118,6 +118,10 @@ class Router:
         self._sweep_retired()
         return dropped
 
+    async def poll_hosts(self, names: Iterable[str]) -> None:
+        """Poll these hosts now (added or changed by a reload) rather than at the next round."""
+        await asyncio.gather(*(self.poller.poll_one(name) for name in names if name in self.fleet.conf))
+
     def host_conf(self, host: str) -> HostConf:
         """The settings a request's host has: configured, or removed by a reload while the
         request held it."""
@@ -155,6 +159,7 @@ class Router:
         held = {ex.host for ex in self.live}
         for name in self.fleet.sweep(lambda h: h in held or self.limiter.host_totals(h) != (0, 0)):
             self.limiter.forget(name)
+            self.estimator.forget(name)  # what its last requests taught
 
     # ------------------------------------------------------------ a request's life
 

@@ -121,6 +121,19 @@ async def test_an_added_host_takes_new_conversations(tmp_path: Path) -> None:
         assert len(await request_rows(proxy)) == 4
 
 
+async def test_an_added_host_is_polled_at_once(tmp_path: Path) -> None:
+    async with served(tmp_path, {"alpha": spec()}, poll_interval="60s") as (setup, proxy):
+        dead = HostSpec({"m": {}}, weight=10)
+        nowhere = f"http://127.0.0.1:{free_port()}"
+        hosts = {"alpha": (setup.fleet["alpha"].url, spec()), "dead": (nowhere, dead)}
+        write_config(setup.path, hosts, {"r": {"hosts": ["alpha", "dead"], "default_model": "m"}},
+                     db=str(setup.path.with_suffix(".db")), poll_interval="60s")
+        assert (await reload(proxy))[0] == 200
+        assert not proxy.router.fleet.healthy("dead")  # known before the next round, 60 s away
+        assert complete(await turn(proxy.port, "n"), 2)
+        assert [r.host for r in await request_rows(proxy)] == ["alpha"]
+
+
 async def test_a_removed_host_finishes_its_streams_and_its_leases_move_at_their_next_turn(
         tmp_path: Path) -> None:
     async with served(tmp_path, {"alpha": spec(), "beta": spec()}) as (setup, proxy):

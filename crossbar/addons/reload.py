@@ -80,6 +80,7 @@ class Reload:
         change = plan_reload(rt.cfg, new)
         await self._check_identity(rt.cfg, new)
         dropped = rt.router.reconfigure(new, change)
+        await rt.router.poll_hosts((*change.hosts_added, *change.hosts_changed))  # not optimistic for long
         rt.cfg = new
         rt.admin_policy = admin_access.AdminPolicy.from_config(new)
         ctx.options.update(**mitmproxy_options(new))
