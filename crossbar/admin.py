@@ -1,6 +1,6 @@
 """The operator's API under `/_crossbar/`, answered without contacting any upstream.
 
-Endpoints (README, "Operating it"): `hosts`, `routes`, `routes/{route}` (pin/release),
+Endpoints (README, "Operating it"): `hosts`, `routes`, `routes/{route}` (pin/release), `reload`,
 `hosts/{host}` (drain), `usage`, `metrics`. Every error is JSON.
 """
 
