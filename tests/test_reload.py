@@ -251,6 +251,22 @@ async def test_a_route_with_its_own_listener_opens_and_closes_without_touching_t
         assert side_events == ["new", "route_changed"]
 
 
+async def test_a_route_listener_on_a_taken_port_is_reported_and_the_rest_applies(tmp_path: Path) -> None:
+    async with served(tmp_path, {"alpha": spec()}) as (setup, proxy):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            side = {"hosts": ["alpha"], "default_model": "m", "listen": f"127.0.0.1:{port}"}
+            setup.write({"alpha": spec(weight=2)}, {"r": {"hosts": ["alpha"], "default_model": "m"},
+                                                    "side": side})
+            status, answer = await reload(proxy)
+        assert status == 500 and f"could not listen on reverse:http://127.0.0.1:1@127.0.0.1:{port}" in (
+            answer["error"]["message"])
+        assert proxy.router.cfg.hosts["alpha"].weight == 2 and "side" in proxy.router.cfg.routes
+        assert complete(await turn(proxy.port, "main"), 2)
+
+
 async def test_a_route_losing_a_host_drops_only_the_leases_there(tmp_path: Path) -> None:
     async with served(tmp_path, {"alpha": spec(), "beta": spec()}) as (setup, proxy):
         await asyncio.gather(*(turn(proxy.port, f"k{i}") for i in range(4)))

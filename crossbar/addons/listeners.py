@@ -125,9 +125,15 @@ async def serve_on(specs: list[str]) -> list[str]:
     specs that changed)."""
     ctx.options.update(server=True, mode=specs)
     ps = ctx.master.addons.get("proxyserver")
-    for _ in range(500):  # the option change starts the servers on a task
+
+    def settled() -> bool:  # every wanted server tried (running or failed), no other one left
+        servers = list(ps.servers)
+        return (not ps.servers.is_updating and {s.mode.full_spec for s in servers} == set(specs)
+                and all(s.is_running or s.last_exception is not None for s in servers))
+
+    for _ in range(500):  # the option change starts and stops the servers on a task
         await asyncio.sleep(0.01)
-        if not ps.servers.is_updating and len(ps.listen_addrs()) >= len(specs):
+        if settled():
             break
     running = {server.mode.full_spec for server in ps.servers if server.is_running}
     return [spec for spec in specs if spec not in running]
