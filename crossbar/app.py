@@ -128,18 +128,18 @@ class Router:
         return self.fleet.conf_of(host)
 
     def _repin(self, old: Config, new: Config, now: float) -> None:
-        """A `pin` the reload changed is applied; a pin on a host its route no longer lists, or of
-        a route that is gone, is cleared."""
+        """A `pin` the reload changed is applied; a pin (from the config or the admin API) on a
+        host its route no longer lists, or of a route that is gone, is cleared."""
         for name in dict.fromkeys([*old.routes, *new.routes]):
             route, was = new.routes.get(name), old.routes.get(name)
             want, had = (route.pin if route else ""), (was.pin if was else "")
-            if want != had:
-                if want:
-                    self.leases.pin(name, want, route.hosts if route else (), now)
-                else:
-                    self.leases.unpin(name, now)
-            pinned = self.leases.pinned(name)
-            if pinned and (route is None or pinned not in route.hosts):
+            if want != had and route is not None and want:
+                self.leases.pin(name, want, route.hosts, now)
+            elif want != had:
+                self.leases.unpin(name, now)
+        for name, host in self.leases.pins().items():
+            route = match_route(name, new.routes)
+            if route is None or host not in route.hosts:
                 self.leases.unpin(name, now)
 
     def _drop_stranded(self, new: Config, now: float) -> int:

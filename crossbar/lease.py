@@ -231,6 +231,10 @@ class LeaseTable:
             lease.state = ACTIVE
             self._save(lease)
 
+    def pins(self) -> dict[str, str]:
+        """Every pinned route and its host."""
+        return dict(self._pins)
+
     def pinned(self, route: str) -> str:
         """The route's pinned host, or "" when it is not pinned."""
         return self._pins.get(route, "")

@@ -180,6 +180,16 @@ def test_router_applies_changed_pins_and_clears_stranded_ones(router: Router, tm
     assert router.leases.pinned("r") == ""
 
 
+def test_a_concrete_route_of_a_template_loses_a_pin_its_template_no_longer_allows(
+        router: Router, tmp_path: Path) -> None:
+    base = edit(raw(tmp_path / "crossbar.db"), "routes.t-*", {"hosts": ["alpha", "beta"]})
+    reconfigure(router, base)
+    router.leases.pin("t-x", "beta", ("alpha", "beta"), 2.0)  # pinned by the admin API
+    router.leases.pin("t-y", "alpha", ("alpha", "beta"), 2.0)
+    reconfigure(router, edit(base, "routes.t-*.hosts", ["alpha"]))
+    assert router.leases.pins() == {"t-y": "alpha"}
+
+
 def test_router_gives_running_requests_their_route_as_configured_now(router: Router, tmp_path: Path) -> None:
     route = router.cfg.routes["r"]
     ex = Exchange(route=route, key=Key("r", "f", "m"), path="/v1/chat/completions", completion=True)

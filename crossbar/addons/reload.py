@@ -12,7 +12,6 @@ shutdown cannot run from that path, and requests spanning it would lose their ro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import threading
@@ -51,8 +50,12 @@ class Reload:
         task.add_done_callback(self._tasks.discard)
 
     async def _reload_quietly(self) -> None:
-        with contextlib.suppress(ConfigError, errors.CrossbarError):  # logged by reload()
+        try:
             await self.reload()
+        except (ConfigError, errors.CrossbarError):
+            pass  # logged by reload()
+        except Exception:  # a crossbar bug: in the log, never an unretrieved task exception
+            log.exception("crossbar: reload failed")
 
     async def reload(self) -> str:
         """Read the configuration file again and apply it; returns what changed in one line.
@@ -80,10 +83,10 @@ class Reload:
         change = plan_reload(rt.cfg, new)
         await self._check_identity(rt.cfg, new)
         dropped = rt.router.reconfigure(new, change)
-        await rt.router.poll_hosts((*change.hosts_added, *change.hosts_changed))  # not optimistic for long
         rt.cfg = new
         rt.admin_policy = admin_access.AdminPolicy.from_config(new)
         ctx.options.update(**mitmproxy_options(new))
+        await rt.router.poll_hosts((*change.hosts_added, *change.hosts_changed))  # not optimistic for long
         summary = change.summary() + (f"; {dropped} lease(s) dropped" if dropped else "")
         failed = await self._relisten(new)
         if failed:
