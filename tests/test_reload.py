@@ -7,6 +7,7 @@ can, changes nothing and answers the one-line error start-up gives."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -28,6 +29,7 @@ from harness import (
     lease_event_rows,
     request_rows,
     sim_fleet,
+    split_response,
     sse_data,
     start_mitmdump,
     wait_until,
@@ -220,6 +222,16 @@ async def test_a_lowered_parallel_lets_running_streams_finish_and_holds_new_ones
 # ------------------------------------------------------------------ routes and listeners
 
 
+async def send_on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                  data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One request on an open keep-alive connection; reads one Content-Length answer."""
+    writer.write(data)
+    await writer.drain()
+    status, headers, _ = split_response(await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30))
+    body = await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", "0"))), 30)
+    return status, headers, body
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -239,12 +251,18 @@ async def test_a_route_with_its_own_listener_opens_and_closes_without_touching_t
         assert (status, answer["changed"]) == (200, "routes +side; listeners")
         assert complete(await turn(port, "agent", path="/v1/chat/completions"), 2)
         assert completion_count(setup.fleet["beta"]) == 1
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # kept alive across the removal
+        models = b"GET /v1/models HTTP/1.1\r\nHost: crossbar\r\n\r\n"
+        assert (await send_on(reader, writer, models))[0] == 200
 
         setup.write(hosts, {"r": {"hosts": ["alpha", "beta"], "default_model": "m"}})
         status, answer = await reload(proxy)
         assert (status, answer["changed"]) == (200, "routes -side; listeners; 1 lease(s) dropped")
         with pytest.raises(aiohttp.ClientConnectionError):
             await turn(port, "agent", turn_no=1, path="/v1/chat/completions")
+        status, _, body = await send_on(reader, writer, models)  # its route is gone: a clear 404
+        assert status == 404 and "no longer configured" in json.loads(body)["error"]["message"]
+        writer.close()
         assert complete(await main, 60)  # the main listener's stream ran through both reloads
         assert complete(await turn(proxy.port, "after"), 2)
         side_events = [e.reason for e in await lease_event_rows(proxy) if e.route == "side"]
