@@ -15,7 +15,7 @@ from crossbar.config import Config, parse_config
 from crossbar.decisions import Reason
 from crossbar.exchange import Exchange
 from crossbar.guard import TokenEstimator
-from crossbar.hosts import Fleet, PollResult
+from crossbar.hosts import Fleet, Poller, PollResult
 from crossbar.lease import Key
 from crossbar.limiter import Limiter, QueueFull
 from crossbar.placement import Change, LeaseChange
@@ -229,3 +229,17 @@ def test_router_takes_the_new_settings(router: Router, tmp_path: Path) -> None:
     assert router.cfg is new
     assert router.leases.idle == 300 and router.poller.interval == 7
     assert router.limiter._queue_max == 3
+
+
+async def test_a_new_poll_timeout_takes_a_new_session_and_the_old_one_is_closed(tmp_path: Path) -> None:
+    cfg = parse_config(raw(tmp_path / "x.db"))
+    poller = Poller(Fleet(cfg.hosts), interval=60, timeout=5)
+    old = poller._client()
+    poller.reconfigure(interval=30, timeout=2)
+    new = poller._client()
+    assert new is not old and new.timeout.total == 2 and poller.interval == 30
+    assert not old.closed  # what it runs may still finish
+    poller.reconfigure(interval=30, timeout=2)
+    assert poller._client() is new  # the same timeout keeps the session
+    await poller.stop()
+    assert old.closed and new.closed
