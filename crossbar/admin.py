@@ -1,6 +1,6 @@
 """The operator's API under `/_crossbar/`, answered without contacting any upstream.
 
-Endpoints (README, "Operating it"): `hosts`, `routes`, `routes/{route}` (pin/release),
+Endpoints (README, "Operating it"): `hosts`, `routes`, `routes/{route}` (pin/release), `reload`,
 `hosts/{host}` (drain), `usage`, `metrics`. Every error is JSON.
 """
 
@@ -10,7 +10,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -55,8 +55,9 @@ def is_admin_path(path: str) -> bool:
 
 
 class Admin:
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, reload: Callable[[], Awaitable[str]] | None = None):
         self.router = router
+        self.reload = reload  # re-reads the configuration file: what changed, or ConfigError
 
     async def handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply:
         path, _, query = target.partition("?")
@@ -83,14 +84,26 @@ class Admin:
                 return json_reply(self.change_route(name, _json_object(body)))
             case ("POST", ["hosts", name]):
                 return json_reply(self.change_host(name, _json_object(body)))
+            case ("POST", ["reload"]) if self.reload is not None:
+                return await self.reloaded()
             case ("GET", ["usage"]):
                 return await self.usage(query, headers.get("accept", ""))
             case ("GET", ["metrics"]):
                 return Reply(200, self.router.metrics.exposition(), {"Content-Type": METRICS_CONTENT_TYPE})
             case (_, [] | ["events"] | ["hosts"] | ["routes"] | ["routes", _] | ["hosts", _] | ["usage"]
-                  | ["metrics"]):
+                  | ["metrics"] | ["reload"]):
                 raise CrossbarError(405, "method_not_allowed", f"{method} is not allowed on {PREFIX}{path}")
         raise errors.not_found(f"no admin endpoint {PREFIX}{path}")
+
+    async def reloaded(self) -> Reply:
+        """POST /_crossbar/reload: the configuration file read again and applied, or the one-line
+        error start-up would give (nothing changed)."""
+        assert self.reload is not None
+        try:
+            summary = await self.reload()
+        except ConfigError as exc:
+            raise CrossbarError(400, "config_error", str(exc)) from None
+        return json_reply({"ok": True, "changed": summary})
 
     # ------------------------------------------------------------ views
 

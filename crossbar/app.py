@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from crossbar import errors
 from crossbar.choose import Candidate
-from crossbar.config import Config, RouteConf
+from crossbar.config import Config, HostConf, RouteConf
 from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.exchange import Exchange
 from crossbar.guard import TokenEstimator, overflow
@@ -27,6 +27,8 @@ from crossbar.lease import LeaseEvent, LeaseTable
 from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull
 from crossbar.metrics import LiveCollector, Metrics, SlotRow
 from crossbar.placement import Ask, Placement, Refusal, Snapshot, place
+from crossbar.reload import Change, stranded
+from crossbar.request import match_route
 from crossbar.store import Store
 from crossbar.wake import Waker
 
@@ -55,6 +57,7 @@ class Router:
         self.live: set[Exchange] = set()  # admitted and not ended: what a graceful stop waits for
         self._housekeeping: asyncio.Task[None] | None = None
         self._configured_models = frozenset(m for conf in cfg.hosts.values() for m in conf.models)
+        self._reloaded = False  # a configuration was reloaded since start
 
     # ------------------------------------------------------------ lifecycle
 
@@ -74,10 +77,9 @@ class Router:
 
     async def _roll_up(self) -> None:
         """Rows older than `retention` go into `requests_daily`, on the store's writer thread."""
-        every = min(3600.0, max(1.0, self.cfg.retention / 10))
         while True:
             self.store.schedule_rollup(time.time() - self.cfg.retention)
-            await asyncio.sleep(every)
+            await asyncio.sleep(min(3600.0, max(1.0, self.cfg.retention / 10)))
 
     async def drain(self, timeout: float) -> bool:
         """Wait until every admitted request has ended (or `timeout`); True when none is left."""
@@ -92,10 +94,80 @@ class Router:
         await self.poller.stop()
         await asyncio.to_thread(self.store.close)
 
+    # ------------------------------------------------------------ reload
+
+    def reconfigure(self, new: Config, change: Change) -> int:
+        """Take a reloaded configuration while requests run. Requests in flight or queued keep
+        their host (a removed host's settings stay until they end); leases whose host the new
+        configuration takes away are dropped (placed anew at their next turn); what was learned
+        about the hosts that stay is kept. Returns how many leases were dropped."""
+        now = time.time()
+        old, self.cfg, self._reloaded = self.cfg, new, True
+        for name in (*change.hosts_removed, *self.fleet.reconfigure(new.hosts)):
+            self.estimator.forget(name)
+        self.waker.hosts = new.hosts
+        self.limiter.set_queue_max(new.queue_max)
+        self.leases.idle = new.lease_idle
+        self.poller.reconfigure(new.poll_interval, new.poll_timeout)
+        self._configured_models = frozenset(m for conf in new.hosts.values() for m in conf.models)
+        self._repin(old, new, now)
+        dropped = self._drop_stranded(new, now)
+        for ex in self.live:
+            ex.route = _route_now(ex.route, ex.key.route, new)
+        self.limiter.refresh()  # a raised `parallel` admits waiters at once
+        self._sweep_retired()
+        return dropped
+
+    async def poll_hosts(self, names: Iterable[str]) -> None:
+        """Poll these hosts now (added or changed by a reload) rather than at the next round."""
+        await asyncio.gather(*(self.poller.poll_one(name) for name in names if name in self.fleet.conf))
+
+    def host_conf(self, host: str) -> HostConf:
+        """The settings a request's host has: configured, or removed by a reload while the
+        request held it."""
+        return self.fleet.conf_of(host)
+
+    def _repin(self, old: Config, new: Config, now: float) -> None:
+        """A `pin` the reload changed is applied; a pin (from the config or the admin API) on a
+        host its route no longer lists, or of a route that is gone, is cleared."""
+        for name in dict.fromkeys([*old.routes, *new.routes]):
+            route, was = new.routes.get(name), old.routes.get(name)
+            want, had = (route.pin if route else ""), (was.pin if was else "")
+            if want != had and route is not None and want:
+                self.leases.pin(name, want, route.hosts, now)
+            elif want != had:
+                self.leases.unpin(name, now)
+        for name, host in self.leases.pins().items():
+            route = match_route(name, new.routes)
+            if route is None or host not in route.hosts:
+                self.leases.unpin(name, now)
+
+    def _drop_stranded(self, new: Config, now: float) -> int:
+        leases = self.leases.snapshot()
+        lost = stranded(((lease.key.route, lease.host) for lease in leases), new, match_route)
+        for i, reason in lost:
+            self.leases.drop(leases[i].key, reason, now)
+        if lost:
+            log.warning("crossbar: reload dropped %d lease(s) whose host left their route or the "
+                        "configuration; their next turns are placed anew", len(lost))
+        return len(lost)
+
+    def _sweep_retired(self) -> None:
+        """Forget removed hosts once no request holds them any more."""
+        if not self.fleet.retired:
+            return
+        held = {ex.host for ex in self.live}
+        for name in self.fleet.sweep(lambda h: h in held or self.limiter.host_totals(h) != (0, 0)):
+            self.limiter.forget(name)
+            self.estimator.forget(name)  # what its last requests taught
+
     # ------------------------------------------------------------ a request's life
 
     def admit(self, ex: Exchange) -> None:
-        """The exchange is live until it ends; its conversation is in use meanwhile."""
+        """The exchange is live until it ends; its conversation is in use meanwhile. A route
+        resolved before a reload that came meanwhile is resolved again."""
+        if self._reloaded and ex.route is not self.cfg.routes.get(ex.route.name):
+            ex.route = _route_now(ex.route, ex.key.route, self.cfg)
         self.live.add(ex)
         ex.on_end(lambda: self.live.discard(ex))
         if ex.completion:
@@ -122,9 +194,9 @@ class Router:
                 healthy=fleet.healthy(name),
                 draining=fleet.draining(name),
                 loaded=bool(model) and fleet.loaded(name, model),
-                listed=fleet.conf[name].serves(model),
+                listed=fleet.conf_of(name).serves(model),
                 free_slots=fleet.free_slots(name, model, self.in_flight(name, model)),
-                weight=fleet.conf[name].weight,
+                weight=fleet.conf_of(name).weight,
                 queued=self.queued(name, model),
                 order=route.hosts.index(name),
             )
@@ -355,6 +427,7 @@ class Router:
             self._host_down(host)
 
     def _on_poll_round(self) -> None:
+        self._sweep_retired()
         self.limiter.refresh()
         self.leases.expire_idle(time.time())
 
@@ -375,6 +448,13 @@ class Router:
                 busy = self.in_flight(name, model)
                 yield (name, model, self.fleet.free_slots(name, model, busy), busy,
                        self.queued(name, model), self.fleet.capacity(name, self.fleet.slot_key(name, model)))
+
+
+def _route_now(route: RouteConf, name: str, cfg: Config) -> RouteConf:
+    """A running request's route in a reloaded configuration: as configured now, or, when the
+    route is gone, its old settings with only the hosts that are still configured."""
+    return match_route(name, cfg.routes) or dataclasses.replace(
+        route, hosts=tuple(h for h in route.hosts if h in cfg.hosts), pin="")
 
 
 class Lazy[T](Mapping[str, T]):

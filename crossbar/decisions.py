@@ -31,6 +31,8 @@ class Reason(StrEnum):
     RELEASE = "release"
     DRAIN = "drain"  # recorded for each lease on a host being drained; nothing moves
     EVICTED = "evicted"  # the lease table was full: the oldest idle lease made room
+    HOST_REMOVED = "host_removed"  # a reload took the lease's host out of the configuration
+    ROUTE_CHANGED = "route_changed"  # a reload took the host out of the lease's route, or the route
 
 
 # reasons that change where a conversation lives (a drain only records; nothing moves)

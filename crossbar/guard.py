@@ -70,6 +70,11 @@ class TokenEstimator:
             return None
         return entry.ratio
 
+    def forget(self, host: str) -> None:
+        """Drop what was learned on a host (it left the configuration, or is another server now)."""
+        for key in [k for k in self._learned if k[0] == host]:
+            del self._learned[key]
+
     def estimate(self, host: str, model: str, prompt_bytes: int) -> int:
         if prompt_bytes <= 0:
             return 0

@@ -124,6 +124,39 @@ class Fleet:
         self.conf = hosts
         self.clock = clock
         self.state = {name: HostState(name) for name in hosts}
+        # hosts a reload removed while requests still held them: their settings and state stay
+        # until those requests end (`sweep`); placement never sees them (no route lists them)
+        self.retired: dict[str, HostConf] = {}
+
+    def conf_of(self, host: str) -> HostConf:
+        """The host's settings: configured, or retired but still serving what it was given."""
+        conf = self.conf.get(host)
+        return conf if conf is not None else self.retired[host]
+
+    def reconfigure(self, hosts: Mapping[str, HostConf]) -> list[str]:
+        """Take a reloaded host list. A host that stays keeps what was learned about it, unless
+        its address changed (another server: learned afresh); a removed host is retired.
+        Returns the staying hosts whose learned state was dropped."""
+        for name, conf in self.conf.items():
+            if name not in hosts:
+                self.retired[name] = conf
+        fresh = []
+        for name, conf in hosts.items():
+            was = self.conf.get(name) or self.retired.pop(name, None)
+            if was is not None and _address(was) != _address(conf):
+                fresh.append(name)
+            if name not in self.state or name in fresh:
+                self.state[name] = HostState(name)
+        self.conf = hosts
+        return fresh
+
+    def sweep(self, busy: Callable[[str], bool]) -> list[str]:
+        """Forget retired hosts that no request holds any more; returns their names."""
+        done = [name for name in self.retired if not busy(name)]
+        for name in done:
+            del self.retired[name]
+            self.state.pop(name, None)
+        return done
 
     # -- HostView
     def healthy(self, host: str) -> bool:
@@ -144,11 +177,11 @@ class Fleet:
         st = self.state[host]
         if st.router:
             return model in st.loaded
-        return self.conf[host].serves(model)
+        return self.conf_of(host).serves(model)
 
     def knows(self, host: str, model: str) -> bool:
         """The host's config lists the model, or the host reports it (`/v1/models`)."""
-        return self.conf[host].serves(model) or model in self.state[host].loaded
+        return self.conf_of(host).serves(model) or model in self.state[host].loaded
 
     def slot_key(self, host: str, model: str) -> str:
         """The model under which the host's slots are counted. A llama-server router runs a
@@ -159,7 +192,7 @@ class Fleet:
     def capacity(self, host: str, model: str) -> int:
         """Slots crossbar lets run at once: `parallel` from config, else learned, else 1.
         `model` "" is a single server's shared slots (its largest configured `parallel`)."""
-        conf, st = self.conf[host], self.state[host]
+        conf, st = self.conf_of(host), self.state[host]
         if model:
             mconf = conf.models.get(model)
             parallel = mconf.parallel if mconf is not None else None
@@ -185,7 +218,7 @@ class Fleet:
 
     def slot_ctx(self, host: str, model: str) -> int:
         """Per-slot context for the model on this host (0 = unknown)."""
-        mconf = self.conf[host].models.get(model)
+        mconf = self.conf_of(host).models.get(model)
         if mconf is not None and mconf.ctx:
             return mconf.ctx
         st = self.state[host]
@@ -233,6 +266,10 @@ class Fleet:
         if was != st.healthy:
             log.warning("host %s is now %s", host, "healthy" if st.healthy else f"unhealthy: {st.last_err}")
         return was != st.healthy
+
+
+def _address(conf: HostConf) -> tuple[str, str, int, str]:
+    return conf.scheme, conf.host, conf.port, conf.base_path
 
 
 # ---------------------------------------------------------------- polling (I/O)
@@ -316,6 +353,7 @@ class Poller:
         self.rounds = 0
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._stale: set[aiohttp.ClientSession] = set()  # sessions of an earlier poll_timeout
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="crossbar-poller")
@@ -329,6 +367,25 @@ class Poller:
         if self._session:
             await self._session.close()
             self._session = None
+        while self._stale:
+            await self._stale.pop().close()
+
+    def reconfigure(self, interval: float, timeout: float) -> None:
+        """New poll settings from a reload: the interval counts from the next round; a new timeout
+        takes a new client session, and the old one is closed once what it runs has timed out."""
+        self.interval = interval
+        if timeout == self.timeout:
+            return
+        old, self._session, grace = self._session, None, self.timeout + 1
+        self.timeout = timeout
+        if old is not None:
+            self._stale.add(old)
+            asyncio.get_running_loop().call_later(grace, lambda: self._close_stale(old))
+
+    def _close_stale(self, session: aiohttp.ClientSession) -> None:
+        if session in self._stale:
+            self._stale.discard(session)
+            asyncio.get_running_loop().create_task(session.close())
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -362,6 +419,8 @@ class Poller:
     def _apply(self, name: str, res: PollResult, started: float, before: dict[str, tuple[int, int]]) -> None:
         """`before`: crossbar's usage when the poll began. Every request that was running then or
         was granted a slot since may have been seen busy by the reading."""
+        if name not in self.fleet.conf:
+            return  # a reload removed the host while it was being polled
         after = self._usage(name)
         seen = {key: busy + after.get(key, (0, granted))[1] - granted
                 for key, (busy, granted) in before.items()}

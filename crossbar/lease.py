@@ -231,6 +231,10 @@ class LeaseTable:
             lease.state = ACTIVE
             self._save(lease)
 
+    def pins(self) -> dict[str, str]:
+        """Every pinned route and its host."""
+        return dict(self._pins)
+
     def pinned(self, route: str) -> str:
         """The route's pinned host, or "" when it is not pinned."""
         return self._pins.get(route, "")
@@ -242,6 +246,14 @@ class LeaseTable:
             self._drop(lease, now, Reason.RELEASE, None)
         self.unpin(route, now)
         return len(leases)
+
+    def drop(self, key: Key, reason: Reason, now: float) -> bool:
+        """Drop one lease (a reload took its host away); its next turn is placed anew."""
+        lease = self._leases.get(key)
+        if lease is None:
+            return False
+        self._drop(lease, now, reason, None)
+        return True
 
     def drain(self, host: str, now: float) -> int:
         """Record a drain event per lease on `host`; the leases stay. Returns how many."""

@@ -110,6 +110,16 @@ class Limiter:
         for (host, model), slot in self._slots.items():
             self._admit(host, model, slot)
 
+    def set_queue_max(self, queue_max: int) -> None:
+        """A reloaded queue bound: it applies to the next arrival; nobody already queued leaves."""
+        self._queue_max = queue_max
+
+    def forget(self, host: str) -> None:
+        """Drop what was learned about a host that left the configuration (its hold times).
+        Only called once nothing of it runs or waits."""
+        for key in [k for k in self._slots if k[0] == host]:
+            del self._slots[key]
+
     def evict(self, host: str) -> int:
         """The host went down: every request queued for it leaves the queue at once with
         `HostDown`, to be placed elsewhere. Returns how many."""

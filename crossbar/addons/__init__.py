@@ -6,6 +6,7 @@ mitmproxy calls the addons in this order for every hook:
 
   Limits        connection-level bounds: request and response heads, bodies, connections per peer
   Listeners     options, configuration, the router, every listener the TOML names
+  Reload        SIGHUP and POST /_crossbar/reload: the configuration applied while serving
   Clients       client connections: a queued request notices at once that its client left
   AdminApi      `/_crossbar/…` answered without contacting any upstream
   GracefulStop  503 while stopping; on SIGTERM drain in-flight requests, then close
@@ -24,6 +25,7 @@ from crossbar.addons.admin_api import AdminApi
 from crossbar.addons.failover import Failover
 from crossbar.addons.graceful import GracefulStop
 from crossbar.addons.listeners import Listeners
+from crossbar.addons.reload import Reload
 from crossbar.addons.route import Route
 from crossbar.addons.runtime import Clients, Runtime
 from crossbar.flowcap import FlowCap
@@ -35,6 +37,6 @@ __all__ = ["Runtime", "make_addons"]
 def make_addons(rt: Runtime | None = None) -> list[Any]:
     """The addons around one shared `Runtime` (pass one to inspect it, as the tests do)."""
     rt = rt or Runtime()
-    return [Limits(lambda: rt.router, lambda: rt.reclaimer.soon()), Listeners(rt), Clients(rt),
+    return [Limits(lambda: rt.router, lambda: rt.reclaimer.soon()), Listeners(rt), Reload(rt), Clients(rt),
             AdminApi(rt), GracefulStop(rt), Route(rt), Failover(rt), Account(rt),
             FlowCap(lambda: rt.cfg.mitmweb_keep_flows if rt.cfg else 500)]

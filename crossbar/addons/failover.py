@@ -69,7 +69,7 @@ class Failover:
         assert router is not None
         cfg = router.cfg
         for _ in range(len(cfg.hosts)):
-            conf = cfg.hosts[ex.host]
+            conf = router.host_conf(ex.host)
             if (conf.host, conf.port) in self.rt.upstreams.get(flow.client_conn, ()):
                 return
             why = await preflight(conf.host, conf.port, cfg.connect_timeout)
@@ -88,7 +88,7 @@ class Failover:
         first-byte deadline is armed for that host."""
         router = self.rt.router
         assert router is not None
-        conf = router.cfg.hosts[ex.host]
+        conf = router.host_conf(ex.host)
         r = flow.request
         r.scheme = conf.scheme  # before host/port: it decides whether the port shows in Host
         r.host, r.port = conf.host, conf.port
@@ -193,7 +193,7 @@ class Failover:
             ex.err = f"upstream answered {status}; the client left before a retry"
             return
         ex.retried = True
-        conf = router.cfg.hosts[ex.host]
+        conf = router.host_conf(ex.host)
         retry = asyncio.ensure_future(resend(
             rt.session, flow.request.method, conf.base_url + ex.path,
             forward_headers(flow.request.headers.items()), flow.request.raw_content or b"",

@@ -72,7 +72,7 @@ class Listeners:
         if not await self._start_identity():
             await router.close()
             return
-        rt.router, rt.admin = router, Admin(router)
+        rt.router, rt.admin = router, Admin(router, reload=rt.reloader)
         rt.admin_policy = admin_access.AdminPolicy.from_config(rt.cfg)
         rt.session = aiohttp.ClientSession()
         router.start_background()
@@ -96,25 +96,47 @@ class Listeners:
     async def _listen(self) -> None:
         rt, cfg = self.rt, self.rt.cfg
         assert cfg is not None
-        rt.roles = {listen_spec(cfg.listen): (MAIN, "")}
-        if cfg.admin_listen is not None:
-            rt.roles[listen_spec(cfg.admin_listen)] = (ADMIN, "")
-        for name, route in cfg.routes.items():
-            if route.listen is not None:
-                rt.roles[listen_spec(route.listen)] = (ROUTE, name)
+        rt.roles = listener_roles(cfg)
         rt.listen_specs = list(rt.roles)
         _ensure_certstore()
-        ctx.options.update(server=True, mode=rt.listen_specs)
-        ps = ctx.master.addons.get("proxyserver")
-        for _ in range(500):  # the option change starts the servers on a task
-            await asyncio.sleep(0.01)
-            if not ps.servers.is_updating and len(ps.listen_addrs()) >= len(rt.listen_specs):
-                break
-        if len(ps.listen_addrs()) < len(rt.listen_specs):
-            log.error("crossbar: could not listen on %s", ", ".join(rt.listen_specs))
+        failed = await serve_on(rt.listen_specs)
+        if failed:
+            log.error("crossbar: could not listen on %s", ", ".join(failed))
             return
+        ps = ctx.master.addons.get("proxyserver")
         log.info("crossbar: serving on %s", ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
                                                       for h, p, *_ in ps.listen_addrs()))
+
+
+def listener_roles(cfg: Config) -> dict[str, tuple[str, str]]:
+    """Every listener the configuration names: mode spec → (role, route name of a route's own)."""
+    roles = {listen_spec(cfg.listen): (MAIN, "")}
+    if cfg.admin_listen is not None:
+        roles[listen_spec(cfg.admin_listen)] = (ADMIN, "")
+    for name, route in cfg.routes.items():
+        if route.listen is not None:
+            roles[listen_spec(route.listen)] = (ROUTE, name)
+    return roles
+
+
+async def serve_on(specs: list[str]) -> list[str]:
+    """Make mitmproxy listen on exactly `specs`; returns those that could not be opened. A server
+    whose spec stays keeps running with its connections (mitmproxy only starts and stops the
+    specs that changed)."""
+    ctx.options.update(server=True, mode=specs)
+    ps = ctx.master.addons.get("proxyserver")
+
+    def settled() -> bool:  # every wanted server tried (running or failed), no other one left
+        servers = list(ps.servers)
+        return (not ps.servers.is_updating and {s.mode.full_spec for s in servers} == set(specs)
+                and all(s.is_running or s.last_exception is not None for s in servers))
+
+    for _ in range(500):  # the option change starts and stops the servers on a task
+        await asyncio.sleep(0.01)
+        if settled():
+            break
+    running = {server.mode.full_spec for server in ps.servers if server.is_running}
+    return [spec for spec in specs if spec not in running]
 
 
 def mitmproxy_options(cfg: Config) -> dict[str, Any]:

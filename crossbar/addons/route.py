@@ -60,6 +60,8 @@ class Route:
         r = flow.request
         _, listener_route = self.rt.role(flow)
         if listener_route:
+            if listener_route not in cfg.routes:  # a connection opened before a reload removed it
+                raise errors.not_found(f"route {listener_route!r} is no longer configured")
             resolved = req.resolve_listener(r.method, r.path, cfg.routes[listener_route])
             control = req.is_control(r.method, resolved.path)
         else:

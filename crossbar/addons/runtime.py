@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from weakref import WeakKeyDictionary
 
 import aiohttp
@@ -47,6 +48,7 @@ class Runtime:
         self.listen_specs: list[str] = []
         self.roles: dict[str, tuple[str, str]] = {}  # listener spec → (role, route name)
         self.stopping = False
+        self.reloader: Callable[[], Awaitable[str]] | None = None  # re-reads the configuration file
         # per client connection: set when it leaves; the upstream addresses it holds open
         # (mitmproxy reuses those); the flow being forwarded on it
         self.gone: WeakKeyDictionary[Client, asyncio.Event] = WeakKeyDictionary()
