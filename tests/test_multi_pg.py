@@ -1,0 +1,278 @@
+"""Two crossbar instances (real `mitmdump` processes) in front of one simulated fleet, sharing one real
+PostgreSQL database (tests/pg.py): they agree on where each conversation lives, share pins and
+drains within a second, hold `parallel` fleet-wide, and a client switching from a killed instance
+to the other keeps its host.
+
+The two instances are given opposite host weights on purpose: left alone, each would place a new
+conversation on a different host, so every agreement below comes from the shared database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psycopg
+from harness import (
+    HostSpec,
+    MitmdumpProcess,
+    completion_count,
+    conversation,
+    sim_fleet,
+    start_mitmdump,
+    wait_until,
+    write_config,
+)
+
+from crossbar.addons.listeners import fingerprint_key
+from crossbar.store import Store
+from llamasim import SimConfig, SimServer
+
+CHAT = "/v1/chat/completions"
+TIMEOUT = aiohttp.ClientTimeout(total=60)
+HOSTS = ("a", "b")
+# instance 0 prefers host a, instance 1 host b, for a new conversation
+WEIGHTS = ({"a": 4.0, "b": 1.0}, {"a": 1.0, "b": 4.0})
+
+
+def instance_config(tmp_path: Path, n: int, db: str, urls: dict[str, str], parallel: int = 0,
+                    **top: Any) -> Path:
+    models = {"m": {"parallel": parallel}} if parallel else {"m": {}}
+    hosts = {h: (url, HostSpec(models, weight=WEIGHTS[n].get(h, 1.0))) for h, url in urls.items()}
+    route = {"hosts": list(urls), "default_model": "m"}
+    return write_config(tmp_path / f"crossbar{n}.toml", hosts, {"r": route}, db=db, **top)
+
+
+@asynccontextmanager
+async def instances(configs: Sequence[Path]) -> AsyncIterator[list[MitmdumpProcess]]:
+    procs: list[MitmdumpProcess] = []
+    try:
+        for cfg in configs:  # one after another: the first brings the schema up to date
+            procs.append(start_mitmdump(cfg))
+        for p in procs:
+            await wait_until(lambda port=p.port: all_healthy(port), timeout=10, interval=0.1,
+                             what="the first polls")
+        yield procs
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait(10)
+    out = "".join(line for p in procs for line in p.output)
+    assert "Traceback" not in out, out
+
+
+@asynccontextmanager
+async def fleet(names: Sequence[str] = HOSTS, **sim: Any) -> AsyncIterator[dict[str, SimServer]]:
+    specs = {n: HostSpec({"m": {}}, sim=SimConfig(models=["m"], **sim)) for n in names}
+    async with sim_fleet(specs) as f:
+        yield {n: f[n] for n in names}
+
+
+async def all_healthy(port: int) -> bool:
+    return all(h["healthy"] for h in (await admin(port, "hosts")).values())
+
+
+def urls(sims: dict[str, SimServer]) -> dict[str, str]:
+    return {n: s.url for n, s in sims.items()}
+
+
+async def chat(port: int, messages: list[dict[str, str]], stream: bool = False) -> int:
+    body = {"messages": messages, "max_tokens": 4, "stream": stream}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s, \
+            s.post(f"http://127.0.0.1:{port}/r{CHAT}", json=body) as resp:
+        answer = await resp.read()
+        if resp.status != 200:
+            print(f"{port}: {resp.status} {answer[:300]!r}")
+        return resp.status
+
+
+async def admin(port: int, path: str, body: Any = None) -> Any:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        if body is None:
+            async with s.get(f"http://127.0.0.1:{port}/_crossbar/{path}") as resp:
+                assert resp.status == 200, await resp.text()
+                return await resp.json(content_type=None)
+        async with s.post(f"http://127.0.0.1:{port}/_crossbar/{path}", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json(content_type=None)
+
+
+async def host_of_turn(port: int, messages: list[dict[str, str]], sims: dict[str, SimServer]) -> str:
+    """Send one turn (nothing else running) and name the host that served it."""
+    before = {n: completion_count(s) for n, s in sims.items()}
+    assert await chat(port, messages) == 200
+    served = [n for n, s in sims.items() if completion_count(s) > before[n]]
+    assert len(served) == 1, served
+    return served[0]
+
+
+def request_hosts(db: str) -> dict[str, set[str]]:
+    """fp → the hosts its `requests` rows name, every instance's rows together."""
+    with psycopg.connect(db) as conn:
+        rows = conn.execute("SELECT fp, host FROM requests WHERE status = 200").fetchall()
+    out: dict[str, set[str]] = {}
+    for fp, host in rows:
+        out.setdefault(fp, set()).add(host)
+    return out
+
+
+def leases(routes: Any) -> dict[str, str]:
+    return {ls["fp"]: ls["host"] for ls in routes["r"]["leases"]}
+
+
+# ---------------------------------------------------------------- leases
+
+
+async def test_a_conversation_alternating_between_instances_stays_on_one_host(
+        tmp_path: Path, pg_url: str) -> None:
+    async with fleet() as sims:
+        cfgs = [instance_config(tmp_path, n, pg_url, urls(sims)) for n in (0, 1)]
+        async with instances(cfgs) as procs:
+            ports = [p.port for p in procs]
+            seen: dict[int, list[str]] = {}
+            for session in range(6):
+                turns = conversation(f"alt{session}", 4)
+                for i, msgs in enumerate(turns):  # session 0 starts on instance 0, session 1 on 1, …
+                    port = ports[(session + i) % 2]
+                    seen.setdefault(session, []).append(await host_of_turn(port, msgs, sims))
+            assert all(len(set(hosts)) == 1 for hosts in seen.values()), seen
+            assert {hosts[0] for hosts in seen.values()} == {"a", "b"}  # each instance placed some
+            assert leases(await admin(ports[0], "routes")) == leases(await admin(ports[1], "routes"))
+
+
+async def test_two_instances_racing_on_the_same_new_conversation_never_split_it(
+        tmp_path: Path, pg_url: str) -> None:
+    async with fleet(n_slots=8) as sims:
+        cfgs = [instance_config(tmp_path, n, pg_url, urls(sims)) for n in (0, 1)]
+        async with instances(cfgs) as procs:
+            ports = [p.port for p in procs]
+            firsts = [conversation(f"race{i}", 1)[0] for i in range(12)]
+            statuses = await asyncio.gather(*(chat(port, msgs) for msgs in firsts for port in ports))
+            assert statuses == [200] * len(statuses)
+            await asyncio.sleep(1.5)  # each instance's writer commits its rows within about a second
+            hosts = request_hosts(pg_url)
+            assert len(hosts) == 12 and all(len(h) == 1 for h in hosts.values()), hosts
+            views = [leases(await admin(port, "routes")) for port in ports]
+            assert views[0] == views[1] == {fp: next(iter(h)) for fp, h in hosts.items()}
+
+
+# ---------------------------------------------------------------- slots
+
+
+async def test_parallel_1_through_both_instances_never_runs_two_at_once_on_a_host(
+        tmp_path: Path, pg_url: str) -> None:
+    async with fleet(names=("a",), token_ms=40, n_slots=4) as sims:
+        cfgs = [instance_config(tmp_path, n, pg_url, urls(sims), parallel=1) for n in (0, 1)]
+        async with instances(cfgs) as procs:
+            msgs = [conversation(f"p{i}", 1)[0] for i in range(8)]
+            statuses = await asyncio.gather(*(chat(procs[i % 2].port, m, stream=i % 4 < 2)
+                                              for i, m in enumerate(msgs)))
+            assert statuses == [200] * 8
+            assert sims["a"].stats.completions_finished == 8
+            assert sims["a"].stats.max_concurrent["m"] == 1
+            with psycopg.connect(pg_url) as conn:  # every slot was given back
+                assert conn.execute("SELECT count(*) FROM fleet_slots").fetchone() == (0,)
+
+
+# ---------------------------------------------------------------- operator actions
+
+
+async def test_a_pin_and_a_drain_through_one_instance_apply_on_the_other_within_a_second(
+        tmp_path: Path, pg_url: str) -> None:
+    async with fleet() as sims:
+        cfgs = [instance_config(tmp_path, n, pg_url, urls(sims)) for n in (0, 1, 0)]
+        async with instances(cfgs[:2]) as procs:
+            one, other = procs[0].port, procs[1].port
+
+            async def pinned_on_other() -> bool:
+                return (await admin(other, "routes"))["r"]["pinned"] == "a"
+
+            async def draining_on_other(host: str, draining: bool) -> bool:
+                return (await admin(other, "hosts"))[host]["draining"] is draining
+
+            await admin(one, "routes/r", {"host": "a", "pin": True})
+            await wait_until(pinned_on_other, timeout=1.0, interval=0.05, what="the pin on the other")
+            # instance 1 prefers b for a new conversation: the pin sends it to a
+            assert await host_of_turn(other, conversation("pinned", 1)[0], sims) == "a"
+            await admin(one, "routes/r", {"pin": False})
+            await wait_until(lambda: _not(pinned_on_other), timeout=1.0, interval=0.05, what="the unpin")
+
+            await admin(one, "hosts/b", {"drain": True})
+            await wait_until(lambda: draining_on_other("b", True), timeout=1.0, interval=0.05,
+                             what="the drain on the other")
+            assert await host_of_turn(other, conversation("drained", 1)[0], sims) == "a"
+            # an instance started later learns the drain from the database
+            async with instances(cfgs[2:]) as later:
+                assert (await admin(later[0].port, "hosts"))["b"]["draining"] is True
+            await admin(other, "hosts/b", {"drain": False})
+            await wait_until(
+                lambda: _hosts_draining(one, "b", False), timeout=1.0, interval=0.05, what="the undrain")
+
+
+async def _not(predicate: Any) -> bool:
+    return not await predicate()
+
+
+async def _hosts_draining(port: int, host: str, draining: bool) -> bool:
+    return (await admin(port, "hosts"))[host]["draining"] is draining
+
+
+# ---------------------------------------------------------------- an instance killed
+
+
+async def test_clients_switching_from_an_instance_killed_with_sigkill_keep_their_hosts(
+        tmp_path: Path, pg_url: str) -> None:
+    async with fleet(token_ms=2, n_slots=8, ctx=65536) as sims:
+        cfgs = [instance_config(tmp_path, n, pg_url, urls(sims)) for n in (0, 1)]
+        async with instances(cfgs) as procs:
+            ports = [procs[0].port]  # every client starts on instance 0 …
+            killed = asyncio.Event()
+            results: dict[int, list[int]] = {}
+
+            async def client(session: int) -> None:
+                turns = conversation(f"kill{session}", 6)  # replayed in a cycle: it fits a slot
+                for i in range(500):
+                    msgs = turns[i % len(turns)]
+                    port = procs[1].port if killed.is_set() else ports[0]
+                    try:
+                        status = await chat(port, msgs, stream=i % 2 == 0)
+                    except (aiohttp.ClientError, OSError):
+                        status = 0  # … and switches to instance 1 when it fails
+                    results.setdefault(session, []).append(status)
+                    if killed.is_set() and sum(1 for s in results[session][-3:] if s == 200) == 3:
+                        return
+                    await asyncio.sleep(0.02)
+
+            clients = [asyncio.create_task(client(i)) for i in range(6)]
+            await asyncio.sleep(2.0)
+            procs[0].proc.send_signal(signal.SIGKILL)
+            assert procs[0].proc.wait(10) == -signal.SIGKILL
+            killed.set()
+            await asyncio.wait_for(asyncio.gather(*clients), 60)
+            assert all(r[-3:] == [200, 200, 200] for r in results.values()), results
+            await asyncio.sleep(1.5)  # instance 1's writer commits its rows
+            hosts = request_hosts(pg_url)
+            assert len(hosts) == 6
+            assert all(len(h) == 1 for h in hosts.values()), hosts  # no conversation moved
+
+
+# ---------------------------------------------------------------- the fingerprint secret
+
+
+def test_every_instance_reads_the_one_secret_the_database_holds(pg_url: str, tmp_path: Path) -> None:
+    stores = [Store(pg_url), Store(pg_url)]
+    try:
+        for store in stores:
+            store.open()
+        keys = [fingerprint_key(pg_url, store) for store in stores]
+    finally:
+        for store in stores:
+            store.close()
+    assert keys[0] == keys[1] and len(keys[0]) == 32
+    assert list(tmp_path.iterdir()) == [] and not list(Path.cwd().glob("postgresql*"))
