@@ -32,10 +32,12 @@ from crossbar.lease import Key, LeaseEvent, LeaseTable
 from crossbar.limiter import ClientGone
 from crossbar.shared import SLOT_TTL, Change, SharedUnavailable
 from crossbar.store import Store
+from crossbar.writebehind import one_line
 
 log = logging.getLogger("crossbar.fleetwide")
 
 HEARTBEAT_EVERY = SLOT_TTL / 3
+RESYNC_ATTEMPTS = 5
 FLEET_SLOT_WAIT = 30.0  # seconds a request that may queue waits for a slot held by another instance
 # lease events that place a conversation on a host the other instances should learn
 _PUBLISHED = frozenset({Reason.NEW, Reason.UNHEALTHY, Reason.RETRIED, Reason.CONTEXT})
@@ -140,12 +142,16 @@ class Fleetwide:
         self.resyncs += 1
         if not await asyncio.to_thread(self.store.flush, 10.0):
             log.warning("fleetwide: writes still pending at resync; the database's leases win")
-        try:
-            rows = await asyncio.to_thread(self.store.load_leases)
-            drained = await asyncio.to_thread(self.store.drained_hosts)
-        except Exception as exc:  # the database went away again: the next reconnect resyncs
-            log.warning("fleetwide: resync failed: %s", " ".join(str(exc).split()))
-            return
+        for attempt in range(1, RESYNC_ATTEMPTS + 1):
+            try:
+                rows = await asyncio.to_thread(self.store.load_leases)
+                drained = await asyncio.to_thread(self.store.drained_hosts)
+                break
+            except Exception as exc:  # a pooled connection the outage broke is replaced next time
+                log.warning("fleetwide: resync attempt %d failed: %s", attempt, one_line(exc))
+                await asyncio.sleep(attempt * 0.5)
+        else:
+            return  # the database went away again: the next reconnect resyncs
         self.leases.resync(rows, self.clock())
         for host in self.fleet.conf:
             self.fleet.set_draining(host, host in drained)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,6 +29,7 @@ from harness import (
     wait_until,
     write_config,
 )
+from pg import PgServer
 
 from crossbar.addons.listeners import fingerprint_key
 from crossbar.store import Store
@@ -276,3 +278,127 @@ def test_every_instance_reads_the_one_secret_the_database_holds(pg_url: str, tmp
             store.close()
     assert keys[0] == keys[1] and len(keys[0]) == 32
     assert list(tmp_path.iterdir()) == [] and not list(Path.cwd().glob("postgresql*"))
+
+
+# ---------------------------------------------------------------- the database unreachable
+
+
+class Cable:
+    """A TCP forwarder between the instances and PostgreSQL that the test can cut (every connection
+    reset, new ones refused) and mend (on the same port). It runs on a loop of its own: starting an
+    instance blocks the test's loop while the instance connects through it."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port, self.port = target_port, 0
+        self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def mend(self) -> None:
+        self._run(self._mend())
+
+    def cut(self) -> None:
+        self._run(self._cut())
+
+    def close(self) -> None:
+        self.cut()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+    async def _mend(self) -> None:
+        self.server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _cut(self) -> None:
+        if self.server is None:
+            return
+        self.server.close()
+        self.server = None
+        for w in list(self.writers):
+            w.transport.abort()
+        self.writers.clear()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        self.writers |= {writer, up_writer}
+        await asyncio.gather(self._copy(reader, up_writer), self._copy(up_reader, writer))
+
+    async def _copy(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        except OSError:
+            pass
+        finally:
+            dst.transport.abort()
+            self.writers.discard(dst)
+
+
+async def metric(port: int, name: str) -> float:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s, \
+            s.get(f"http://127.0.0.1:{port}/_crossbar/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+async def test_with_the_database_cut_off_both_serve_from_memory_and_agree_again_when_it_returns(
+        tmp_path: Path, pg_server: PgServer, pg_url: str) -> None:
+    cable = Cable(pg_server.port)
+    cable.mend()
+    try:
+        await _cut_off_and_back(tmp_path, pg_url, pg_server, cable)
+    finally:
+        cable.close()
+
+
+async def _cut_off_and_back(tmp_path: Path, pg_url: str, pg_server: PgServer, cable: Cable) -> None:
+    via_cable = pg_url.replace(f":{pg_server.port}/", f":{cable.port}/")
+    async with fleet() as sims:
+        cfgs = [instance_config(tmp_path, n, via_cable, urls(sims)) for n in (0, 1)]
+        async with instances(cfgs) as procs:
+            ports = [p.port for p in procs]
+            known = conversation("known", 3)
+            home = await host_of_turn(ports[0], known[0], sims)
+            await asyncio.sleep(1.5)  # committed, and announced to instance 1
+            cable.cut()
+
+            # a conversation instance 1 learned about keeps its host; new ones are placed locally
+            assert await host_of_turn(ports[1], known[1], sims) == home
+            fresh = conversation("fresh", 3)
+            during = [await host_of_turn(port, fresh[0], sims) for port in ports]
+            assert during == ["a", "b"]  # split while they cannot talk (each instance's own choice)
+            assert await metric(ports[1], "crossbar_shared_errors_total") >= 1
+
+            cable.mend()
+
+            async def agreed() -> bool:
+                views = [leases(await admin(port, "routes")) for port in ports]
+                return views[0] == views[1] and len(views[0]) == 2
+            await wait_until(agreed, timeout=20, interval=0.2, what="the instances agreeing again")
+            after = [await host_of_turn(port, fresh[1], sims) for port in ports]
+            assert after[0] == after[1]
+            assert await host_of_turn(ports[1], known[2], sims) == home
+
+            async def every_row_landed() -> bool:
+                return sum(len(h) for h in request_hosts(pg_url).values()) >= 2 and len(
+                    _rows(pg_url)) == 7
+            await wait_until(every_row_landed, timeout=20, interval=0.2, what="the queued rows")
+
+
+def _rows(db: str) -> list[Any]:
+    with psycopg.connect(db) as conn:
+        return conn.execute("SELECT fp, host FROM requests").fetchall()
