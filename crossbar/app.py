@@ -277,16 +277,19 @@ class Router:
 
     async def _fleet_slot(self, ex: Exchange, ticket: Ticket, key: str,
                           gone: asyncio.Event | None) -> Callable[[Ticket], None]:
-        """With instances sharing the database, the local slot is not enough: one of the host's
-        `parallel` slots across every instance is taken too, and given back with the local one.
-        The local ticket is given back at once when none can be had (`QueueFull`, `ClientGone`)."""
+        """With instances sharing the database, the local slot is not enough where the config sets
+        `parallel`: one of those slots across every instance is taken too, and given back with the
+        local one. (A learned slot count is the server's own queueing: held per instance, at no
+        database round trip.) The local ticket is given back at once when none can be had
+        (`QueueFull`, `ClientGone`)."""
         fw = self.fleetwide
-        if fw is None:
+        parallel = self.fleet.configured_parallel(ex.host, key)
+        if fw is None or not parallel:
             return self.limiter.release
         wait = FLEET_SLOT_WAIT if ex.route.queue else 0.0
         t0 = time.monotonic()
         try:
-            token = await fw.fleet_slot(ex.host, key, self.fleet.capacity(ex.host, key), wait, gone)
+            token = await fw.fleet_slot(ex.host, key, parallel, wait, gone)
         except BaseException:
             self.limiter.release(ticket)
             raise
