@@ -175,7 +175,7 @@ class Fleetwide:
                 left.cancel()
             if not acquire.done():
                 acquire.cancel()  # a grant made meanwhile is never renewed: it lapses
-        if acquire.cancelled():
+        if acquire.cancelled() or not acquire.done():
             raise ClientGone()
         try:
             return acquire.result()

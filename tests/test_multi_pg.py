@@ -10,6 +10,7 @@ conversation on a different host, so every agreement below comes from the shared
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -402,3 +403,39 @@ async def _cut_off_and_back(tmp_path: Path, pg_url: str, pg_server: PgServer, ca
 def _rows(db: str) -> list[Any]:
     with psycopg.connect(db) as conn:
         return conn.execute("SELECT fp, host FROM requests").fetchall()
+
+
+async def test_a_fleet_slot_refused_or_abandoned_gives_the_local_slot_back(
+        tmp_path: Path, pg_url: str) -> None:
+    async with fleet(names=("a",), token_ms=300) as sims:
+        hosts = {"a": (sims["a"].url, HostSpec({"m": {"parallel": 1}}))}
+        routes = {"r": {"hosts": ["a"], "default_model": "m"},
+                  "nq": {"hosts": ["a"], "default_model": "m", "queue": False}}
+        cfgs = [write_config(tmp_path / f"c{n}.toml", hosts, routes, db=pg_url) for n in (0, 1)]
+        async with instances(cfgs) as procs:
+            one, other = procs[0].port, procs[1].port
+            long = asyncio.create_task(chat(one, conversation("long", 1)[0]))
+            await wait_until(lambda: sims["a"].stats.inflight.get("m", 0) == 1, timeout=10,
+                             what="the first request running")
+            body = {"messages": conversation("nq", 1)[0], "max_tokens": 4}
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                async with s.post(f"http://127.0.0.1:{other}/nq{CHAT}", json=body) as resp:
+                    assert resp.status == 503 and "Retry-After" in resp.headers  # no queueing: at once
+                    assert (await resp.json())["error"]["type"]
+                with contextlib.suppress(TimeoutError):  # a client that leaves while it waits
+                    async with asyncio.timeout(0.5):
+                        await s.post(f"http://127.0.0.1:{other}/r{CHAT}", json=body)
+            assert await long == 200
+            await wait_until(lambda: _in_flight(other, 0), timeout=5, interval=0.1,
+                             what="the other instance's local slot given back")
+            assert await chat(other, conversation("after", 1)[0]) == 200
+            assert sims["a"].stats.max_concurrent["m"] == 1
+            with psycopg.connect(pg_url) as conn:
+                assert conn.execute("SELECT count(*) FROM fleet_slots").fetchone() == (0,)
+
+
+async def _in_flight(port: int, n: int) -> bool:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s, \
+            s.get(f"http://127.0.0.1:{port}/_crossbar/metrics") as resp:
+        text = await resp.text()
+    return f'crossbar_in_flight{{host="a",model="m"}} {float(n)}' in text
