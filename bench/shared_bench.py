@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -41,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import aiohttp  # noqa: E402
 from harness import HostSpec, MitmdumpProcess, start_mitmdump, write_config  # noqa: E402
-from pg import PgServer, _free_port, _owner, find_bindir  # noqa: E402
+from pg import PgServer, cluster_in, find_bindir  # noqa: E402
 
 from llamasim import SimConfig, SimServer  # noqa: E402
 
@@ -70,20 +69,15 @@ def start_pg(top: Path) -> PgServer:
     bindir = find_bindir()
     if bindir is None:
         sys.exit("shared_bench: no initdb (install Debian's postgresql)")
-    top.mkdir(mode=0o755)
-    data = top / "data"
-    data.mkdir(mode=0o700)
-    owner = _owner()
-    if owner is not None:
-        os.chown(data, owner.pw_uid, owner.pw_gid)
-    server = PgServer(bindir, data, _free_port())
+    top.mkdir()
+    server = cluster_in(top, bindir)
     server.start()
     return server
 
 
 async def run(n: int) -> dict[str, Any]:
     top = Path(tempfile.mkdtemp(prefix="crossbar-shared-bench-"))
-    top.chmod(0o755)  # the cluster's owner must reach its data directory inside
+    top.chmod(0o755)  # the cluster's owner must reach its data directory below
     pg = start_pg(top / "pg")
     sim = SimServer(SimConfig(models=["m"], n_slots=8, ctx=65536))
     await sim.start()

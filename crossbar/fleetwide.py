@@ -53,6 +53,7 @@ class Fleetwide:
         self.clock = clock
         self.resyncs = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._heartbeats: asyncio.Task[None] | None = None
 
     def load_drains(self) -> None:
         """At start-up: hosts drained through any instance are drained here too."""
@@ -64,11 +65,12 @@ class Fleetwide:
         """Listen to the other instances' changes (on this event loop) and renew held slots."""
         loop = asyncio.get_running_loop()
         self.shared.subscribe(self.on_change, loop)
-        self._spawn(self._heartbeat())
+        self._heartbeats = loop.create_task(self._heartbeat(), name="crossbar-slot-heartbeat")
 
     def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        """Stop renewing; slot releases under way finish (the store gives back the rest)."""
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
+import subprocess
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -21,6 +23,8 @@ from typing import Any
 import aiohttp
 import psycopg
 from harness import (
+    MITMDUMP,
+    ROOT,
     HostSpec,
     MitmdumpProcess,
     completion_count,
@@ -439,3 +443,20 @@ async def _in_flight(port: int, n: int) -> bool:
             s.get(f"http://127.0.0.1:{port}/_crossbar/metrics") as resp:
         text = await resp.text()
     return f'crossbar_in_flight{{host="a",model="m"}} {float(n)}' in text
+
+
+def test_a_database_unreachable_at_start_up_is_one_clear_line_and_an_exit(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    db = f"postgresql://crossbar:hunter2@127.0.0.1:{port}/crossbar"
+    cfg = write_config(tmp_path / "c.toml", {"a": ("http://127.0.0.1:9", HostSpec({"m": {}}))},
+                       {"r": {"hosts": ["a"], "default_model": "m"}}, db=db)
+    run = subprocess.run([MITMDUMP, "-s", str(ROOT / "addons" / "crossbar.py"), "--set", "server=false",
+                          "--set", f"crossbar_config={cfg}"], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out
+    label = f"postgresql+psycopg://crossbar:***@127.0.0.1:{port}/crossbar"
+    assert f"crossbar: store: cannot open database {label}" in out, out
+    assert "hunter2" not in out and "Traceback" not in out
