@@ -92,7 +92,7 @@ async def run(n: int) -> dict[str, Any]:
         for name, (db, models) in setups.items():
             cfg = write_config(top / f"{name}.toml", {"a": (sim.url, HostSpec(models))}, route, db=db,
                                poll_interval="1s")
-            proc = start_mitmdump(cfg)
+            proc = start_mitmdump(cfg, ["--set", "server=false"])
             procs.append(proc)
             urls[name] = f"http://127.0.0.1:{proc.port}/r{CHAT}"
         await asyncio.sleep(2.5)  # the first polls

@@ -60,7 +60,7 @@ async def instances(configs: Sequence[Path]) -> AsyncIterator[list[MitmdumpProce
     procs: list[MitmdumpProcess] = []
     try:
         for cfg in configs:  # one after another: the first brings the schema up to date
-            procs.append(start_mitmdump(cfg))
+            procs.append(start_mitmdump(cfg, ["--set", "server=false"]))
         for p in procs:
             await wait_until(lambda port=p.port: all_healthy(port), timeout=10, interval=0.1,
                              what="the first polls")
