@@ -165,13 +165,12 @@ class Admin:
         if conf is None:
             raise errors.not_found(f"unknown route {name!r}")
         _only_keys(body, {"host", "pin", "release"})
-        now = time.time()
         if body.get("release") is True:
-            n = r.leases.release(name, now)
+            n = r.release_route(name)
             return {"ok": True, "released": n}
         pin = body.get("pin")
         if pin is False:
-            r.leases.unpin(name, now)
+            r.unpin_route(name)
             return {"ok": True}
         if pin is not True:
             raise errors.bad_request(
@@ -183,7 +182,7 @@ class Admin:
         if host not in r.cfg.hosts:
             raise errors.not_found(f"unknown host {host!r}")
         try:
-            r.leases.pin(name, host, conf.hosts, now)
+            r.pin_route(name, host, conf.hosts)
         except UnknownHost as exc:
             raise errors.bad_request(f"host {host!r} is not a candidate of route {name!r}") from exc
         return {"ok": True}
@@ -196,9 +195,7 @@ class Admin:
         drain = body.get("drain")
         if not isinstance(drain, bool):
             raise errors.bad_request('send {"drain": true} or {"drain": false}')
-        if drain and not r.fleet.draining(name):
-            r.leases.drain(name, time.time())
-        r.fleet.set_draining(name, drain)
+        r.set_draining(name, drain)
         return {"ok": True}
 
     async def events(self, query: dict[str, list[str]]) -> list[dict[str, Any]]:

@@ -21,13 +21,15 @@ from crossbar.choose import Candidate
 from crossbar.config import Config, HostConf, RouteConf
 from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.exchange import Exchange
+from crossbar.fleetwide import FLEET_SLOT_WAIT, Fleetwide
 from crossbar.guard import TokenEstimator, overflow
 from crossbar.hosts import Fleet, Poller, PollResult
 from crossbar.lease import LeaseEvent, LeaseTable
-from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull
-from crossbar.metrics import LiveCollector, Metrics, SlotRow
-from crossbar.placement import Ask, Placement, Refusal, Snapshot, place
-from crossbar.reload import Change, stranded
+from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull, Ticket
+from crossbar.metrics import CounterCollector, LiveCollector, Metrics, SlotRow
+from crossbar.placement import Ask, Change, Placement, Refusal, Snapshot, place
+from crossbar.reload import Change as ConfigChange
+from crossbar.reload import stranded
 from crossbar.request import match_route
 from crossbar.store import Store
 from crossbar.wake import Waker
@@ -58,6 +60,8 @@ class Router:
         self._housekeeping: asyncio.Task[None] | None = None
         self._configured_models = frozenset(m for conf in cfg.hosts.values() for m in conf.models)
         self._reloaded = False  # a configuration was reloaded since start
+        self.fleetwide: Fleetwide | None = None  # set by open() when the database is PostgreSQL
+        self.metrics.add_live(CounterCollector(self._store_figures))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -69,10 +73,20 @@ class Router:
             if route.pin and self.leases.pinned(name) != route.pin:
                 self.leases.pin(name, route.pin, route.hosts, time.time())
         self.store.start()
+        if self.store.postgres:
+            self._open_fleetwide()
         log.info("crossbar: %d leases loaded from %s", self.leases.count(), self.store.label)
+
+    def _open_fleetwide(self) -> None:
+        """Instances sharing the database share leases, pins, drains and slots."""
+        fw = self.fleetwide = Fleetwide(self.store, self.leases, self.fleet, self.cfg.lease_idle)
+        fw.load_drains()
+        self.leases.subscribe(fw.lease_event)
 
     def start_background(self) -> None:
         self.poller.start()
+        if self.fleetwide is not None:
+            self.fleetwide.start()
         self._housekeeping = asyncio.get_running_loop().create_task(self._roll_up(), name="crossbar-rollup")
 
     async def _roll_up(self) -> None:
@@ -91,12 +105,14 @@ class Router:
     async def close(self) -> None:
         if self._housekeeping:
             self._housekeeping.cancel()
+        if self.fleetwide is not None:
+            self.fleetwide.stop()
         await self.poller.stop()
         await asyncio.to_thread(self.store.close)
 
     # ------------------------------------------------------------ reload
 
-    def reconfigure(self, new: Config, change: Change) -> int:
+    def reconfigure(self, new: Config, change: ConfigChange) -> int:
         """Take a reloaded configuration while requests run. Requests in flight or queued keep
         their host (a removed host's settings stay until they end); leases whose host the new
         configuration takes away are dropped (placed anew at their next turn); what was learned
@@ -230,6 +246,8 @@ class Router:
     async def place(self, ex: Exchange, why: Reason = Reason.UNHEALTHY) -> Placement:
         """Run placement; when it names hosts worth waking, wake them and run it again. A refusal
         is raised as the client's answer."""
+        if self.fleetwide is not None and ex.completion:
+            await self.fleetwide.adopt_shared(ex.key)
         result = self._place_once(ex, why)
         woke: list[str] = []
         if isinstance(result, Refusal) and result.wake:
@@ -238,9 +256,21 @@ class Router:
                 result = self._place_once(ex, why)
         if isinstance(result, Refusal):
             raise self._refused(ex, result, woke)
+        result = await self._claimed(ex, result, why)
         if result.loads_model:
             log.warning("no host has %r loaded; placing it on %s, which will load it", ex.model, result.host)
         return result
+
+    async def _claimed(self, ex: Exchange, placed: Placement, why: Reason) -> Placement:
+        """A conversation placed anew is claimed in the shared lease table; when another instance
+        placed it first, placement runs again with that instance's lease."""
+        if self.fleetwide is None or not ex.completion or placed.change.kind not in (Change.CREATE,
+                                                                                       Change.RENEW):
+            return placed
+        if await self.fleetwide.claim(ex.key, placed.host) == placed.host:
+            return placed
+        again = self._place_once(ex, why)
+        return placed if isinstance(again, Refusal) else again
 
     def _refused(self, ex: Exchange, refusal: Refusal, woke: list[str]) -> errors.CrossbarError:
         match refusal.reason:
@@ -305,6 +335,7 @@ class Router:
         waiting_since = time.monotonic()
         try:
             ticket = await self.limiter.acquire(ex.host, key, gone, hold=ex.route.queue)
+            release = await self._fleet_slot(ex, ticket, key, gone)
         except QueueFull as exc:
             ex.err = "queue full"
             raise errors.unavailable(
@@ -316,8 +347,35 @@ class Router:
             raise
         finally:  # the wait counts however it ended (granted, client gone, host down)
             ex.queued_ms += int((time.monotonic() - waiting_since) * 1000)
-        ex.hold_slot(ticket, self.limiter.release)
+        ex.hold_slot(ticket, release)
         self.metrics.queue_wait.labels(ex.host, self.model_label(ex.model)).observe(ticket.queued_s)
+
+    async def _fleet_slot(self, ex: Exchange, ticket: Ticket, key: str,
+                          gone: asyncio.Event | None) -> Callable[[Ticket], None]:
+        """With instances sharing the database, the local slot is not enough where the config sets
+        `parallel`: one of those slots across every instance is taken too, and given back with the
+        local one. (A learned slot count is the server's own queueing: held per instance, at no
+        database round trip.) The local ticket is given back at once when none can be had
+        (`QueueFull`, `ClientGone`)."""
+        fw = self.fleetwide
+        parallel = self.fleet.configured_parallel(ex.host, key)
+        if fw is None or not parallel:
+            return self.limiter.release
+        wait = FLEET_SLOT_WAIT if ex.route.queue else 0.0
+        try:  # its wait counts in `queued_ms` with the local one (see `take_slot`)
+            token = await fw.fleet_slot(ex.host, key, parallel, wait, gone)
+        except BaseException:
+            self.limiter.release(ticket)
+            raise
+        if token is None:
+            self.limiter.release(ticket)
+            raise QueueFull(self.limiter.retry_after(ex.host, key))
+
+        def release(held: Ticket) -> None:
+            self.limiter.release(held)
+            fw.release(token)
+
+        return release
 
     async def _take_then_settle(self, ex: Exchange, placed: Placement, gone: asyncio.Event | None) -> None:
         """Take the slot on the placed host, then apply the lease change. When no slot can be had
@@ -364,6 +422,33 @@ class Router:
 
     def _poll_wait(self) -> int:
         return max(1, int(self.cfg.poll_interval))
+
+    # ------------------------------------------------------------ operator actions
+    # Made through the admin API; instances sharing the database apply them too.
+
+    def pin_route(self, route: str, host: str, candidates: tuple[str, ...]) -> None:
+        """Raises `UnknownHost` when `host` is not one of `candidates`."""
+        self.leases.pin(route, host, candidates, time.time())
+        if self.fleetwide is not None:
+            self.fleetwide.pinned(route, host)
+
+    def unpin_route(self, route: str) -> None:
+        self.leases.unpin(route, time.time())
+        if self.fleetwide is not None:
+            self.fleetwide.pinned(route, "")
+
+    def release_route(self, route: str) -> int:
+        released = self.leases.release(route, time.time())
+        if self.fleetwide is not None:
+            self.fleetwide.released(route)
+        return released
+
+    def set_draining(self, host: str, draining: bool) -> None:
+        if draining and not self.fleet.draining(host):
+            self.leases.drain(host, time.time())
+        self.fleet.set_draining(host, draining)
+        if self.fleetwide is not None:
+            self.fleetwide.drained(host, draining)
 
     # ------------------------------------------------------------ the ending
 
@@ -438,6 +523,20 @@ class Router:
 
     def queued(self, host: str, model: str) -> int:
         return self.limiter.queued(host, self.fleet.slot_key(host, model))
+
+    def _store_figures(self) -> Iterable[tuple[str, str, float]]:
+        store, shared = self.store, self.store.shared
+        yield ("crossbar_store_dropped", "Operations the store shed under pressure (never leases)",
+               store.dropped)
+        yield ("crossbar_store_bad_figures", "Request figures out of range, stored as unknown",
+               store.bad_figures)
+        if self.fleetwide is None or shared is None:
+            return
+        yield ("crossbar_shared_errors", "Calls to the shared database that failed or timed out "
+               "(decided from memory)", shared.errors)
+        yield ("crossbar_shared_refused", "Calls refused at once while the shared database was down "
+               "(decided from memory)", shared.refused)
+        yield "crossbar_shared_feed_errors", "Lost connections of the change feed", shared.feed_errors
 
     def _health_rows(self) -> Iterable[tuple[str, bool]]:
         return ((name, self.fleet.healthy(name)) for name in self.cfg.hosts)

@@ -192,16 +192,20 @@ class Fleet:
     def capacity(self, host: str, model: str) -> int:
         """Slots crossbar lets run at once: `parallel` from config, else learned, else 1.
         `model` "" is a single server's shared slots (its largest configured `parallel`)."""
-        conf, st = self.conf_of(host), self.state[host]
-        if model:
-            mconf = conf.models.get(model)
-            parallel = mconf.parallel if mconf is not None else None
-        else:
-            parallel = max((m.parallel for m in conf.models.values() if m.parallel), default=None)
+        st = self.state[host]
+        parallel = self.configured_parallel(host, model)
         if parallel:
             return parallel
         learned = st.models.get(model, ModelCtx()).slots if model else 0
         return learned or (0 if st.router else st.slots) or 1
+
+    def configured_parallel(self, host: str, model: str) -> int | None:
+        """`parallel` from config (model "": the largest of the host's), None when not set."""
+        conf = self.conf_of(host)
+        if model:
+            mconf = conf.models.get(model)
+            return mconf.parallel if mconf is not None else None
+        return max((m.parallel for m in conf.models.values() if m.parallel), default=None)
 
     def free_slots(self, host: str, model: str, in_flight: int) -> int:
         """Free slots from the host's own `/slots` when known, never more than our own view.

@@ -16,10 +16,11 @@ never block and never raise. Not thread-safe: use from one event loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -73,7 +74,17 @@ class Persister(Protocol):
         self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float
     ) -> None: ...
 
-    def delete_lease(self, route: str, fp: str, model: str) -> None: ...
+    def delete_lease(self, route: str, fp: str, model: str, idle_before: float | None = None) -> None: ...
+
+
+class _Unwritten:
+    """The persister while another instance's change is applied: it is written already."""
+
+    def save_lease(self, *_args: Any) -> None:
+        pass
+
+    def delete_lease(self, *_args: Any, **_kw: Any) -> None:
+        pass
 
 
 Listener = Callable[[LeaseEvent], None]
@@ -185,6 +196,63 @@ class LeaseTable:
     def in_use(self, key: Key) -> bool:
         return self._held[key] > 0
 
+    def has(self, key: Key) -> bool:
+        return key in self._leases
+
+    # ---- what other instances sharing the database did ----------------------------------------
+    # Applied to memory only: the instance that made the change wrote it and recorded its events.
+
+    def adopt(self, key: Key, host: str, created: float, last_used: float) -> None:
+        """The conversation is on `host` (another instance placed or moved it there)."""
+        lease = self._leases.get(key)
+        if lease is not None and lease.host == host:
+            lease.last_used = max(lease.last_used, last_used)
+            return
+        self._idled.pop(key, None)
+        state = PINNED if self._pins.get(key.route) == host else ACTIVE
+        if lease is not None:
+            self._remove(lease)
+        else:
+            with self._unwritten():
+                self._make_room(key.route, last_used)
+        self._put(Lease(key, host, state, created, last_used))
+
+    def apply_remote_pin(self, route: str, host: str, now: float) -> None:
+        """Another instance pinned the route to `host` ("" : unpinned it)."""
+        with self._unwritten():
+            if not host:
+                self.unpin(route, now)
+            elif self._pins.get(route) != host:
+                self._pins.pop(route, None)
+                self.pin(route, host, (host,), now)
+
+    def apply_remote_release(self, route: str, now: float) -> None:
+        with self._unwritten():
+            self.release(route, now)
+
+    def resync(self, rows: Iterable[Any], now: float) -> None:
+        """Take the stored pins and leases (the database wins where it disagrees); leases it does
+        not hold stay (their writes are on their way)."""
+        rows = list(rows)
+        pins = {row.route: row.host for row in rows if _is_pin_row(row)}
+        for route in set(self._pins) - set(pins):
+            self.apply_remote_pin(route, "", now)
+        for route, host in pins.items():
+            self.apply_remote_pin(route, host, now)
+        for row in rows:
+            if not _is_pin_row(row):
+                self.adopt(Key(row.route, row.fp, row.model), row.host, float(row.created),
+                           float(row.last_used))
+
+    @contextlib.contextmanager
+    def _unwritten(self) -> Iterator[None]:
+        persist, listeners = self._persist, self._listeners
+        self._persist, self._listeners = _Unwritten(), []
+        try:
+            yield
+        finally:
+            self._persist, self._listeners = persist, listeners
+
     # ---- housekeeping and operator actions ----------------------------------------------------
 
     def expire_idle(self, now: float) -> int:
@@ -196,7 +264,8 @@ class LeaseTable:
             if not self.in_use(lease.key):
                 stale.append(lease)
         for lease in stale:
-            self._drop(lease, now, Reason.IDLE, None)
+            # another instance sharing the database may still use it: its row stays then
+            self._drop(lease, now, Reason.IDLE, None, idle_before=now - self.idle)
             self._idled[lease.key] = lease.host
             while len(self._idled) > self.max_leases:
                 self._idled.popitem(last=False)
@@ -357,9 +426,10 @@ class LeaseTable:
         self._by_route[lease.key.route].move_to_end(lease.key)
         self._save(lease)
 
-    def _drop(self, lease: Lease, now: float, reason: Reason, to_host: str | None) -> None:
+    def _drop(self, lease: Lease, now: float, reason: Reason, to_host: str | None,
+              idle_before: float | None = None) -> None:
         self._remove(lease)
-        self._persist.delete_lease(lease.key.route, lease.key.fp, lease.key.model)
+        self._persist.delete_lease(lease.key.route, lease.key.fp, lease.key.model, idle_before)
         self._event(now, lease.key, lease.host, to_host, reason)
 
     def _save(self, lease: Lease) -> None:

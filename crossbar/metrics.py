@@ -61,6 +61,20 @@ class LiveCollector(Collector):
         yield GaugeMetricFamily("crossbar_leases", "Live conversation leases", value=self.leases())
 
 
+class CounterCollector(Collector):
+    """Counters kept elsewhere (the store's, the shared database's), read at scrape time as
+    (name, help, value)."""
+
+    def __init__(self, figures: Callable[[], Iterable[tuple[str, str, float]]]):
+        self.figures = figures
+
+    def collect(self) -> Iterable[Metric]:
+        for name, text, value in self.figures():
+            counter = CounterMetricFamily(name, text)
+            counter.add_metric([], value)
+            yield counter
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

@@ -1,5 +1,6 @@
-"""The tables crossbar keeps (SQLModel): the lease table, lease events, the accounting log, and the
-fleet-wide slot claims of instances that share one PostgreSQL database.
+"""The tables crossbar keeps (SQLModel): the lease table, lease events, the accounting log, and what
+instances that share one PostgreSQL database share besides: fleet-wide slot claims, drained hosts
+and the fingerprint secret.
 
 The same tables on SQLite and PostgreSQL; their versions are Alembic revisions in
 `crossbar/migrations/versions` (a change here needs a new revision there). Request bodies are never
@@ -125,6 +126,24 @@ class FleetSlotRow(SQLModel, table=True):
     expires: float = Field(sa_type=EPOCH)
 
 
+class HostDrainRow(SQLModel, table=True):
+    """A host an operator drained: it takes no new conversations, on every instance."""
+
+    __tablename__ = "host_drains"
+
+    host: str = Field(primary_key=True)
+    since: float = Field(sa_type=EPOCH)
+
+
+class InstallSecretRow(SQLModel, table=True):
+    """The one key that keys fingerprints on a PostgreSQL database: every instance reads the same."""
+
+    __tablename__ = "install_secret"
+
+    id: int = Field(default=1, primary_key=True)
+    key: str  # hex
+
+
 def _table(model: type[SQLModel]) -> Table:
     return cast(Table, model.__table__)  # type: ignore[attr-defined]
 
@@ -135,6 +154,8 @@ REQUESTS = _table(RequestRow)
 HEALTH = _table(HostHealthRow)
 DAILY = _table(RequestDailyRow)
 SLOTS = _table(FleetSlotRow)
-TABLES = [LEASES, EVENTS, REQUESTS, HEALTH, DAILY, SLOTS]
+DRAINS = _table(HostDrainRow)
+SECRET = _table(InstallSecretRow)
+TABLES = [LEASES, EVENTS, REQUESTS, HEALTH, DAILY, SLOTS, DRAINS, SECRET]
 
 SUMMED = ("busy_ms", "queued_ms", "prompt_tokens", "cached_tokens", "completion_tokens")

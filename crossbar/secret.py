@@ -1,12 +1,19 @@
-"""The install's secret: a random key, kept in a file beside the database (mode 0600), that
-keys conversation fingerprints. Created on first start, read on every later one, so fingerprints
-(and the leases stored under them) stay the same across restarts."""
+"""The install's secret: a random key that keys conversation fingerprints. Created on first start,
+read on every later one, so fingerprints (and the leases stored under them) stay the same across
+restarts.
+
+With SQLite it is a file beside the database (mode 0600). With PostgreSQL it is a one-row table of
+the database (`install_secret`): every instance sharing the database must fingerprint a
+conversation the same way, else they would split it."""
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
+
+from crossbar.backend import DatabaseError, parse_db
 
 SECRET_BYTES = 32
 SUFFIX = ".secret"
@@ -16,10 +23,31 @@ class SecretError(Exception):
     """The secret file cannot be read, created or understood (one line, for the start-up log)."""
 
 
-def secret_path(db: str) -> Path:
-    """`crossbar.db` → `crossbar.db.secret`, in the database's directory."""
-    path = Path(db)
+def secret_path(db: str) -> Path | None:
+    """`crossbar.db` → `crossbar.db.secret`, in the database's directory; None for a database URL
+    (the secret then lives in the database)."""
+    try:
+        parsed = parse_db(db)
+    except DatabaseError:
+        return None
+    if not parsed.path:
+        return None
+    path = Path(parsed.path)
     return path.with_name(path.name + SUFFIX)
+
+
+def new_key() -> str:
+    return secrets.token_hex(SECRET_BYTES)
+
+
+def from_database(read_or_create: Callable[[str], str], label: str) -> bytes:
+    """The key a database holds: `read_or_create(candidate)` stores the candidate unless a key is
+    stored already and returns the stored one."""
+    try:
+        text = read_or_create(new_key())
+    except Exception as exc:  # the driver's errors: the start-up log gets one line
+        raise SecretError(f"cannot read the secret from {label}: {' '.join(str(exc).split())}") from exc
+    return _parse(text, f"the install_secret row of {label}")
 
 
 def load_or_create(path: Path) -> bytes:
@@ -53,11 +81,18 @@ def _read(path: Path) -> bytes:
     except OSError as exc:
         raise SecretError(f"cannot read the secret file {path}: {exc.strerror or exc}") from exc
     try:
-        key = bytes.fromhex(text.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
+        return _parse(text.decode("ascii"), str(path))
+    except UnicodeDecodeError:
+        return _parse("", str(path))
+
+
+def _parse(text: str, where: str) -> bytes:
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
         key = b""
     if len(key) != SECRET_BYTES:
-        raise SecretError(f"{path} is not a crossbar secret ({2 * SECRET_BYTES} hex digits); "
+        raise SecretError(f"{where} is not a crossbar secret ({2 * SECRET_BYTES} hex digits); "
                           "move it away to have a new one created (fingerprints then change)")
     return key
 
@@ -69,7 +104,7 @@ def _create(path: Path) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_hex(SECRET_BYTES).encode("ascii") + b"\n")
+            f.write(new_key().encode("ascii") + b"\n")
             f.flush()
             os.fsync(f.fileno())
         os.link(tmp, path)

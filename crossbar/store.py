@@ -56,10 +56,12 @@ from crossbar import backend, tap
 from crossbar.backend import Database, DatabaseError, parse_db
 from crossbar.schema import (
     DAILY,
+    DRAINS,
     EVENTS,
     HEALTH,
     LEASES,
     REQUESTS,
+    SECRET,
     SUMMED,
     LeaseEventRow,
     LeaseRow,
@@ -130,6 +132,7 @@ def _lease_delete() -> Any:
         LEASES.c.route == bindparam("k_route"),
         LEASES.c.fp == bindparam("k_fp"),
         LEASES.c.model == bindparam("k_model"),
+        LEASES.c.last_used < bindparam("k_before"),
     )
 
 
@@ -386,8 +389,11 @@ class Store:
         data = {"route": _text(route), "fp": _text(fp), "model": _text(model), "host": host, "state": state}
         self._queue.put("lease", {**data, "created": float(created), "last_used": float(last_used)})
 
-    def delete_lease(self, route: str, fp: str, model: str) -> None:
-        self._queue.put("unlease", {"route": _text(route), "fp": _text(fp), "model": _text(model)})
+    def delete_lease(self, route: str, fp: str, model: str, idle_before: float | None = None) -> None:
+        """Delete the lease row; with `idle_before`, only while it was last used before then."""
+        before = math.inf if idle_before is None else float(idle_before)
+        self._queue.put("unlease", {"route": _text(route), "fp": _text(fp), "model": _text(model),
+                                    "before": before})
 
     def record_event(
         self,
@@ -434,6 +440,10 @@ class Store:
         models = json.dumps([str(m) for m in loaded_models])
         data = {"ts": float(ts), "host": host, "healthy": bool(healthy)}
         self._queue.put("health", {**data, "loaded_models": models})
+
+    def save_drain(self, host: str, draining: bool, now: float) -> None:
+        """Write a drain (or its end) through, so instances sharing the database agree on it."""
+        self._queue.put("drain", {"host": host, "draining": bool(draining), "since": float(now)})
 
     def publish(self, change: Change) -> None:
         """Tell the other instances sharing the database about `change`, in the transaction of the
@@ -497,14 +507,18 @@ class Store:
 
     def _apply_segment(self, conn: Connection, ops: list[Op]) -> None:
         leases: dict[tuple[str, str, str], Op] = {}
+        drains: dict[str, dict[str, Any]] = {}
         rows: dict[str, list[dict[str, Any]]] = {"event": [], "request": [], "health": [], "notify": []}
         for op in ops:
             if op.kind in ("lease", "unlease"):
                 leases.pop(_lease_key(op), None)  # the last operation on a key wins
                 leases[_lease_key(op)] = op
+            elif op.kind == "drain":
+                drains[op.data["host"]] = op.data  # likewise per host
             else:
                 rows[op.kind].append(op.data)
         self._apply_leases(conn, list(leases.values()))
+        self._apply_drains(conn, list(drains.values()))
         for kind, table in (("event", EVENTS), ("request", REQUESTS), ("health", HEALTH)):
             if rows[kind]:
                 conn.execute(insert(table), rows[kind])
@@ -519,6 +533,13 @@ class Store:
             conn.execute(_lease_upsert(conn), saves)
         if deletes:
             conn.execute(_lease_delete(), deletes)
+
+    @staticmethod
+    def _apply_drains(conn: Connection, drains: Sequence[dict[str, Any]]) -> None:
+        for d in drains:
+            conn.execute(delete(DRAINS).where(DRAINS.c.host == d["host"]))
+            if d["draining"]:
+                conn.execute(insert(DRAINS).values(host=d["host"], since=d["since"]))
 
     @staticmethod
     def _rollup(conn: Connection, older_than: float) -> int:
@@ -555,6 +576,21 @@ class Store:
             rows = list(session.scalars(select(LeaseRow)))
         # sorted here: PostgreSQL's collation need not order text the way SQLite's binary one does
         return sorted(rows, key=lambda r: (r.route, r.fp, r.model))
+
+    def install_secret(self, candidate: str) -> str:
+        """The fingerprint secret stored in the database: `candidate` is stored when none is yet
+        (two instances starting at once both read the one that was stored first)."""
+        if self._writer is None:
+            raise StoreError("store: install_secret() before open()")
+        with self._writer.begin() as conn:
+            conn.execute(_insert(conn, SECRET).values(id=1, key=candidate).on_conflict_do_nothing())
+        with self._writer.connect() as conn:
+            return str(conn.execute(select(SECRET.c.key).where(SECRET.c.id == 1)).scalar_one())
+
+    def drained_hosts(self) -> set[str]:
+        """The hosts drained through any instance sharing the database."""
+        with self._session() as session:
+            return {str(host) for host in session.execute(select(DRAINS.c.host)).scalars()}
 
     def lease_events(self, limit: int = 100) -> list[LeaseEventRow]:
         """The newest `limit` lease events, newest first."""

@@ -126,6 +126,18 @@ class PgServer:
                 self.proc.wait(5)
 
 
+def cluster_in(top: Path, bindir: Path) -> PgServer:
+    """A cluster whose data directory is made in `top` (a private temporary directory), on a free
+    loopback port; not started yet."""
+    top.chmod(0o755)  # the cluster's owner must reach its data directory inside
+    datadir = top / "data"
+    datadir.mkdir(mode=0o700)
+    owner = _owner()
+    if owner is not None:
+        os.chown(datadir, owner.pw_uid, owner.pw_gid)
+    return PgServer(bindir, datadir, _free_port())
+
+
 def _unavailable(reason: str) -> None:
     if REQUIRED:
         pytest.fail(f"PostgreSQL tests required (CROSSBAR_PG_TESTS=1): {reason}")
@@ -139,13 +151,7 @@ def pg_server() -> Iterator[PgServer]:
         _unavailable("no initdb on PATH or in /usr/lib/postgresql/*/bin")
     assert bindir is not None
     top = Path(tempfile.mkdtemp(prefix="crossbar-pg-"))
-    top.chmod(0o755)  # the cluster's owner must reach its data directory inside
-    datadir = top / "data"
-    datadir.mkdir(mode=0o700)
-    owner = _owner()
-    if owner is not None:
-        os.chown(datadir, owner.pw_uid, owner.pw_gid)
-    server = PgServer(bindir, datadir, _free_port())
+    server = cluster_in(top, bindir)
     try:
         server.start()
     except (RuntimeError, OSError) as exc:

@@ -29,7 +29,7 @@ class FakePersister:
     ) -> None:
         self.calls.append(("save", route, fp, model, host, state, created, last_used))
 
-    def delete_lease(self, route: str, fp: str, model: str) -> None:
+    def delete_lease(self, route: str, fp: str, model: str, idle_before: float | None = None) -> None:
         self.calls.append(("delete", route, fp, model))
 
     def record_event(self, e: LeaseEvent) -> None:

@@ -18,7 +18,7 @@ from harness import (
     wait_until,
 )
 
-from crossbar.metrics import LEASE_REASONS, LiveCollector, Metrics
+from crossbar.metrics import LEASE_REASONS, CounterCollector, LiveCollector, Metrics
 
 FAMILIES = {
     "crossbar_requests": "counter",
@@ -35,6 +35,8 @@ FAMILIES = {
     "crossbar_queued": "gauge",
     "crossbar_leases": "gauge",
     "crossbar_store_errors": "counter",
+    "crossbar_store_dropped": "counter",
+    "crossbar_store_bad_figures": "counter",
 }
 
 
@@ -82,6 +84,16 @@ def test_store_errors_and_live_gauges_are_read_at_scrape_time() -> None:
     assert [samples[(n, am)] for n in ("crossbar_slots_free", "crossbar_in_flight", "crossbar_queued",
                                        "crossbar_slots_capacity")] == [1, 2, 3, 3]
     assert samples[("crossbar_leases", frozenset())] == 5
+
+
+def test_counters_kept_elsewhere_are_read_at_scrape_time() -> None:
+    metrics = Metrics()
+    figures = {"crossbar_shared_errors": 0.0}
+    metrics.add_live(CounterCollector(lambda: [(n, "help", v) for n, v in figures.items()]))
+    figures["crossbar_shared_errors"] = 3
+    types, samples = parse_exposition(metrics.exposition().decode())
+    assert types["crossbar_shared_errors"] == "counter"
+    assert samples[("crossbar_shared_errors_total", frozenset())] == 3
 
 
 # ---------------------------------------------------------------- values move with traffic

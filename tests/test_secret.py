@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from crossbar.secret import SECRET_BYTES, SecretError, load_or_create, secret_path
+from crossbar.secret import SECRET_BYTES, SecretError, from_database, load_or_create, secret_path
 
 
 def test_secret_path_is_beside_the_database(tmp_path: Path) -> None:
@@ -44,3 +44,24 @@ def test_a_file_in_the_way_of_the_directory_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SecretError, match="secret file"):
         load_or_create(blocker / "x.secret")
 
+
+
+def test_a_database_url_has_no_secret_file() -> None:
+    assert secret_path("postgresql://crossbar@db.example:5432/crossbar") is None
+
+
+def test_a_secret_from_the_database_is_stored_once_and_read_back() -> None:
+    stored: list[str] = []
+
+    def read_or_create(candidate: str) -> str:
+        if not stored:
+            stored.append(candidate)
+        return stored[0]
+
+    first = from_database(read_or_create, "db")
+    assert len(first) == SECRET_BYTES and from_database(read_or_create, "db") == first
+
+
+def test_a_database_row_that_is_not_a_secret_is_an_error() -> None:
+    with pytest.raises(SecretError, match="install_secret row of db"):
+        from_database(lambda _candidate: "short", "db")

@@ -19,8 +19,8 @@ from crossbar.app import Router
 from crossbar.config import Address, Config, ConfigError, load_config
 from crossbar.identity import IdentityError
 from crossbar.reclaim import freeze_startup
-from crossbar.secret import SecretError, load_or_create, secret_path
-from crossbar.store import StoreError
+from crossbar.secret import SecretError, from_database, load_or_create, secret_path
+from crossbar.store import Store, StoreError
 
 log = logging.getLogger("crossbar")
 SWITCH_INTERVAL = 0.001  # seconds a thread holds the interpreter while another waits for it
@@ -55,11 +55,6 @@ class Listeners:
         rt = self.rt
         if rt.cfg is None:  # the configuration error was logged; mitmproxy exits
             return
-        try:
-            rt.fp_key = load_or_create(secret_path(rt.cfg.db))
-        except SecretError as exc:
-            log.error("crossbar: %s", exc)
-            return
         # a worker thread peeking a large body hands the interpreter back to the event loop
         # within 1 ms (the default is 5 ms: every other stream's next event would wait that long)
         sys.setswitchinterval(SWITCH_INTERVAL)
@@ -68,6 +63,12 @@ class Listeners:
             router.open()
         except StoreError as exc:
             log.error("crossbar: %s", exc)
+            return
+        try:
+            rt.fp_key = fingerprint_key(rt.cfg.db, router.store)
+        except SecretError as exc:
+            log.error("crossbar: %s", exc)
+            await router.close()
             return
         if not await self._start_identity():
             await router.close()
@@ -161,3 +162,12 @@ def _ensure_certstore() -> None:
     tls = ctx.master.addons.get("tlsconfig")
     if tls is not None and getattr(tls, "certstore", None) is None:
         tls.configure({"confdir"})
+
+
+def fingerprint_key(db: str, store: Store) -> bytes:
+    """The install's secret: in a file beside a SQLite database, in a PostgreSQL database itself
+    (every instance sharing it must key fingerprints alike)."""
+    path = secret_path(db)
+    if path is None:
+        return from_database(store.install_secret, store.label)
+    return load_or_create(path)

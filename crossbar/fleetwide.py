@@ -1,0 +1,200 @@
+"""One instance's part in a fleet-wide truth shared through PostgreSQL with the other instances.
+
+The router calls it at four points, and only when the database is PostgreSQL:
+
+- around placement: a conversation this instance does not hold is looked up in the shared lease
+  table first (`adopt_shared`); a new conversation is claimed with an upsert (`claim`), and when
+  another instance won, the winner's host is adopted and placement runs again. A conversation
+  already in memory costs no round trip.
+- after the local slot: one of the host's `parallel` slots across every instance (`fleet_slot`),
+  given back in the request's one ending.
+- the change feed: leases created or moved, pins, releases and drains made here are published;
+  those made elsewhere are applied here without being written or published again (`on_change`).
+  After the feed reconnects, pins, leases and drains are read back from the database, which wins.
+- housekeeping: slots held by running requests are renewed (`heartbeat`).
+
+Whenever the database does not answer, `SharedUnavailable` is counted by `SharedState` and the
+instance decides from what it holds in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from crossbar.decisions import Reason
+from crossbar.hosts import Fleet
+from crossbar.lease import Key, LeaseEvent, LeaseTable
+from crossbar.limiter import ClientGone
+from crossbar.shared import SLOT_TTL, Change, SharedUnavailable
+from crossbar.store import Store
+from crossbar.writebehind import one_line
+
+log = logging.getLogger("crossbar.fleetwide")
+
+HEARTBEAT_EVERY = SLOT_TTL / 3
+RESYNC_ATTEMPTS = 5
+FLEET_SLOT_WAIT = 30.0  # seconds a request that may queue waits for a slot held by another instance
+# lease events that place a conversation on a host the other instances should learn
+_PUBLISHED = frozenset({Reason.NEW, Reason.UNHEALTHY, Reason.RETRIED, Reason.CONTEXT})
+
+
+class Fleetwide:
+    def __init__(self, store: Store, leases: LeaseTable, fleet: Fleet, lease_idle: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        assert store.shared is not None
+        self.store, self.shared = store, store.shared
+        self.leases, self.fleet = leases, fleet
+        self.lease_idle = lease_idle
+        self.clock = clock
+        self.resyncs = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._heartbeats: asyncio.Task[None] | None = None
+
+    def load_drains(self) -> None:
+        """At start-up: hosts drained through any instance are drained here too."""
+        for host in self.store.drained_hosts():
+            if host in self.fleet.conf:
+                self.fleet.set_draining(host, True)
+
+    def start(self) -> None:
+        """Listen to the other instances' changes (on this event loop) and renew held slots."""
+        loop = asyncio.get_running_loop()
+        self.shared.subscribe(self.on_change, loop)
+        self._heartbeats = loop.create_task(self._heartbeat(), name="crossbar-slot-heartbeat")
+
+    def stop(self) -> None:
+        """Stop renewing; slot releases under way finish (the store gives back the rest)."""
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ leases
+
+    async def adopt_shared(self, key: Key) -> None:
+        """A conversation not in memory: take over its shared lease, if another instance placed it."""
+        if self.leases.has(key) or self.leases.pinned(key.route):
+            return
+        try:
+            row = await self.shared.find_lease(key.route, key.fp, key.model)
+        except SharedUnavailable:
+            return
+        if row is not None and not self.leases.has(key):
+            self.leases.adopt(key, row.host, float(row.created), float(row.last_used))
+
+    async def claim(self, key: Key, host: str) -> str:
+        """Place a new conversation on `host` unless another instance holds it: the host it is on
+        (the winner is adopted). `host` itself when the database does not answer."""
+        now = self.clock()
+        try:
+            winner = await self.shared.claim_lease(key.route, key.fp, key.model, host, now,
+                                                   idle_before=now - self.lease_idle)
+        except SharedUnavailable:
+            return host
+        if winner != host:
+            self.leases.adopt(key, winner, now, now)
+        return winner
+
+    def lease_event(self, event: LeaseEvent) -> None:
+        """A lease table listener: a conversation placed or moved here is announced."""
+        k = event.key
+        if k.model and event.to_host and event.reason in _PUBLISHED:
+            self.store.publish(Change("lease", k.route, k.fp, k.model, event.to_host))
+
+    # ------------------------------------------------------------ operator actions
+
+    def pinned(self, route: str, host: str) -> None:
+        self.store.publish(Change("pin", route, host=host))  # host "" is an unpin
+
+    def released(self, route: str) -> None:
+        self.store.publish(Change("release", route))
+
+    def drained(self, host: str, draining: bool) -> None:
+        self.store.save_drain(host, draining, self.clock())
+        self.store.publish(Change("drain" if draining else "undrain", host=host))
+
+    # ------------------------------------------------------------ the other instances' changes
+
+    def on_change(self, change: Change) -> None:
+        """On the event loop: apply what another instance did, without writing or publishing it."""
+        now = self.clock()
+        match change.kind:
+            case "lease" if change.host:
+                self.leases.adopt(Key(change.route, change.fp, change.model), change.host, now, now)
+            case "pin":
+                self.leases.apply_remote_pin(change.route, change.host, now)
+            case "release":
+                self.leases.apply_remote_release(change.route, now)
+            case "drain" | "undrain" if change.host in self.fleet.conf:
+                self.fleet.set_draining(change.host, change.kind == "drain")
+            case "resync":
+                self._spawn(self.resync())
+
+    async def resync(self) -> None:
+        """After the feed was lost: let this instance's queued writes land, then take the database's
+        pins, leases and drains (on a disagreement the database's lease wins)."""
+        self.resyncs += 1
+        if not await asyncio.to_thread(self.store.flush, 10.0):
+            log.warning("fleetwide: writes still pending at resync; the database's leases win")
+        for attempt in range(1, RESYNC_ATTEMPTS + 1):
+            try:
+                rows = await asyncio.to_thread(self.store.load_leases)
+                drained = await asyncio.to_thread(self.store.drained_hosts)
+                break
+            except Exception as exc:  # a pooled connection the outage broke is replaced next time
+                log.warning("fleetwide: resync attempt %d failed: %s", attempt, one_line(exc))
+                await asyncio.sleep(attempt * 0.5)
+        else:
+            return  # the database went away again: the next reconnect resyncs
+        self.leases.resync(rows, self.clock())
+        for host in self.fleet.conf:
+            self.fleet.set_draining(host, host in drained)
+        log.info("fleetwide: resynced %d leases and %d drained hosts from %s", len(rows), len(drained),
+                 self.store.label)
+
+    # ------------------------------------------------------------ slots
+
+    async def fleet_slot(self, host: str, slot_key: str, parallel: int, wait: float,
+                         gone: asyncio.Event | None) -> str | None:
+        """One of the host's `parallel` slots across every instance: a token for `release`, "" when
+        the database does not answer (the local slot alone holds), None when all stay taken for
+        `wait` seconds; `ClientGone` when the client leaves meanwhile."""
+        acquire = asyncio.ensure_future(self.shared.acquire_slot(host, slot_key, parallel, wait=wait))
+        left = asyncio.ensure_future(gone.wait()) if gone is not None else None
+        try:
+            await asyncio.wait([f for f in (acquire, left) if f is not None],
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if left is not None:
+                left.cancel()
+            if not acquire.done():
+                acquire.cancel()  # a grant made meanwhile is never renewed: it lapses
+        if acquire.cancelled() or not acquire.done():
+            raise ClientGone()
+        try:
+            return acquire.result()
+        except SharedUnavailable:
+            return ""
+
+    def release(self, token: str) -> None:
+        """Give a fleet slot back (in the background: the request's ending does not wait)."""
+        if token:
+            self._spawn(self._release(token))
+
+    async def _release(self, token: str) -> None:
+        with contextlib.suppress(SharedUnavailable):
+            await self.shared.release_slot(token)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_EVERY)
+            with contextlib.suppress(SharedUnavailable):
+                await self.shared.heartbeat()
