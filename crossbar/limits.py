@@ -5,7 +5,8 @@ over its `body_size_limit` with an HTML page. So crossbar wraps each connection'
 
 - a request head is held back until it is complete: over `max_head` bytes is a JSON 431, not
   complete within `head_timeout` of its first byte (or of the connection's start) is a JSON 408;
-  a kept-alive connection may idle `idle_timeout` between requests;
+  a kept-alive connection may idle `idle_timeout` between requests; a head with a folded header
+  line is a JSON 400 (mitmproxy would read it differently);
 - a `Content-Length` over `max_body` is a JSON 413 before any of the body is read; a chunked body
   is counted as it arrives and cut with the same JSON 413 when it passes `max_body`;
 - a response head from an upstream over `max_head` never reaches mitmproxy: the client gets
@@ -56,8 +57,9 @@ class Refusal:
 
     def response(self, extra_headers: str = "") -> bytes:
         body = json.dumps({"error": {"code": self.status, "type": self.type, "message": self.message}})
-        phrase = {408: "Request Timeout", 413: "Content Too Large", 431: "Request Header Fields Too Large",
-                  502: "Bad Gateway", 503: "Service Unavailable"}[self.status]
+        phrase = {400: "Bad Request", 408: "Request Timeout", 413: "Content Too Large",
+                  431: "Request Header Fields Too Large", 502: "Bad Gateway",
+                  503: "Service Unavailable"}[self.status]
         return (f"HTTP/1.1 {self.status} {phrase}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra_headers}\r\n{body}").encode()
 
@@ -76,6 +78,18 @@ def body_too_large(limit: int) -> Refusal:
 def head_timeout(limit: float) -> Refusal:
     return Refusal(408, BAD_REQUEST, f"request head not complete within {limit:g}s (head_timeout)",
                    Rejection.HEAD_TIMEOUT)
+
+
+def folded_header() -> Refusal:
+    return Refusal(400, BAD_REQUEST, "request head has a folded (obs-fold) header line",
+                   Rejection.BAD_REQUEST)
+
+
+def has_folded_line(head: bytes) -> bool:
+    """Whether a header line starts with a space or tab: an obsolete line folding, which mitmproxy
+    joins onto the previous header while a plain reading takes it for a header of its own. Heads
+    that carry one are refused, so that crossbar and mitmproxy never disagree on framing."""
+    return any(line[:1] in (b" ", b"\t") for line in head.split(b"\n")[1:])
 
 
 def _head_end(buf: bytearray) -> int:
@@ -234,6 +248,8 @@ class RequestFramer:
             return b"", 0, head_too_large(self.max_head)
         head, rest = bytes(self.head[:end]), bytes(self.head[end:])
         self.head.clear()
+        if has_folded_line(head):
+            return b"", 0, folded_header()
         self.heads += 1
         self.state, self._remaining = body_framing(head)
         if self.state == LENGTH and self._remaining > self.max_body:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from harness import HostSpec, MitmdumpProcess, split_response, start_mitmdump, write_config
+from mitmproxy.net.http.http1 import read_request_head
 
 from crossbar.limits import (
     ChunkCounter,
@@ -50,7 +51,7 @@ async def rig(tmp_path: Path, base_url: str | None = None, **top: Any) -> AsyncI
     try:
         cfg = write_config(tmp_path / "c.toml", {"a": (base_url or sim.url, HostSpec({"m": {}}))},
                            {"r": {"default_model": "m"}}, **{**LIMITS, **top})
-        proxy = await asyncio.to_thread(start_mitmdump, cfg, ["--set", "server=false"])
+        proxy = await asyncio.to_thread(start_mitmdump, cfg)
         try:
             yield Rig(proxy)
         finally:
@@ -159,6 +160,20 @@ async def test_a_chunked_body_is_cut_at_max_body_with_the_same_json_413(tmp_path
                     break
         assert_json_error(*await answer(reader), 413)
         assert sent < 16 * MAX_BODY  # what the socket buffers took before the answer arrived
+        await chat_ok(r.port)
+
+
+async def test_a_folded_header_is_a_json_400_and_does_not_lift_max_head(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        writer.write(b"GET /_crossbar/hosts HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: b\r\n"
+                     b" Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(b"GET /_crossbar/hosts HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nX-Big: "
+                     + b"a" * (3 << 20) + b"\r\n\r\n")
+        with suppress(ConnectionError):
+            await writer.drain()
+        assert_json_error(*await answer(reader, 15), 400)
+        writer.close()
         await chat_ok(r.port)
 
 
@@ -278,11 +293,30 @@ def test_request_framer_holds_back_heads_and_passes_bodies_and_pipelined_request
     (b"GET / HTTP/1.1\r\nX: " + b"a" * 2000 + b"\r\n\r\n", 431),
     (b"POST / HTTP/1.1\r\nContent-Length: 101\r\n\r\n", 413),
     (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n40\r\n" + b"x" * 64 + b"\r\n40\r\n", 413),
+    (b"GET / HTTP/1.1\r\nX-A: b\r\n Transfer-Encoding: chunked\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nX-A: b\r\n\tContent-Length: 1000000\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\nX-A: b\n Content-Length: 10\n\n", 400),
 ])
 def test_request_framer_refusals(data: bytes, status: int) -> None:
     for feed in (lambda f, d: f.feed(d), feed_bytewise):
         _, refusal = feed(RequestFramer(max_head=1024, max_body=100), data)
         assert refusal is not None and refusal.status == status
+
+
+def folded(header: bytes) -> bytes:
+    return b"GET /_crossbar/hosts HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: b\r\n " + header + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("header", [b"Transfer-Encoding: chunked", b"Content-Length: 1000000"])
+def test_a_folded_header_never_frames_a_body_mitmproxy_would_not_read(header: bytes) -> None:
+    """mitmproxy joins a folded line onto the header before it (so it reads no body here); the
+    framer must never take it for a header of its own, or the limits stop holding for what follows."""
+    lines = folded(header).split(b"\r\n")[:-2]
+    assert not {"content-length", "transfer-encoding"} & set(read_request_head(lines).headers.keys())
+    framer = RequestFramer(max_head=64 * 1024, max_body=32 << 20)
+    out, refusal = framer.feed(folded(header))
+    assert out == b"" and refusal is not None and refusal.status == 400
+    assert json.loads(refusal.response().split(b"\r\n\r\n", 1)[1])["error"]["code"] == 400
 
 
 def test_tls_and_http2_pass_untouched() -> None:
