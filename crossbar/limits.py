@@ -8,7 +8,8 @@ over its `body_size_limit` with an HTML page. So crossbar wraps each connection'
   a kept-alive connection may idle `idle_timeout` between requests; a head with a folded header
   line is a JSON 400 (mitmproxy would read it differently);
 - a `Content-Length` over `max_body` is a JSON 413 before any of the body is read; a chunked body
-  is counted as it arrives and cut with the same JSON 413 when it passes `max_body`;
+  is counted as it arrives and cut with the same JSON 413 when it passes `max_body`; a body that
+  pauses longer than `body_timeout` between two reads is a JSON 408;
 - a response head from an upstream over `max_head` never reaches mitmproxy: the client gets
   crossbar's JSON 502 and the host is marked down;
 - each peer address may hold at most `max_connections_per_peer` connections;
@@ -90,6 +91,11 @@ def has_folded_line(head: bytes) -> bool:
     joins onto the previous header while a plain reading takes it for a header of its own. Heads
     that carry one are refused, so that crossbar and mitmproxy never disagree on framing."""
     return any(line[:1] in (b" ", b"\t") for line in head.split(b"\n")[1:])
+
+
+def body_timeout(limit: float) -> Refusal:
+    return Refusal(408, BAD_REQUEST, f"request body paused longer than {limit:g}s (body_timeout)",
+                   Rejection.BODY_TIMEOUT)
 
 
 def _head_end(buf: bytearray) -> int:
@@ -192,6 +198,10 @@ class RequestFramer:
     @property
     def head_started(self) -> bool:
         return self.state == HEAD and bool(self.head)
+
+    @property
+    def in_body(self) -> bool:
+        return self.state in (LENGTH, CHUNKED)
 
     def feed(self, data: bytes) -> tuple[bytes, Refusal | None]:
         """What may go on to mitmproxy now, and a refusal when the stream broke a limit (what is
@@ -302,10 +312,11 @@ class ClientReader:
     and answers a refusal itself (mitmproxy then sees the connection end)."""
 
     def __init__(self, inner: Reader, writer: Any, framer: RequestFramer, head_timeout_s: float,
-                 idle_timeout_s: float, on_refusal: Callable[[Refusal], None],
+                 idle_timeout_s: float, body_timeout_s: float, on_refusal: Callable[[Refusal], None],
                  clock: Callable[[], float] = time.monotonic):
         self.inner, self.writer, self.framer = inner, writer, framer
         self.head_timeout, self.idle_timeout = head_timeout_s, idle_timeout_s
+        self.body_timeout = body_timeout_s
         self.on_refusal, self.clock = on_refusal, clock
         self.deadline: float | None = clock() + head_timeout_s
         self.closed = False
@@ -324,8 +335,7 @@ class ClientReader:
             except TimeoutError:
                 if self.deadline is None or self.clock() < self.deadline:
                     continue  # no deadline yet (or a later one): look again
-                started = self.framer.head_started
-                return await self._refuse(head_timeout(self.head_timeout) if started else None)
+                return await self._refuse(self._timed_out())
             if not data:
                 return b""
             heads_before, head_was_started = self.framer.heads, self.framer.head_started
@@ -342,6 +352,12 @@ class ClientReader:
                 return out
         return b""
 
+    def _timed_out(self) -> Refusal | None:
+        """What a passed deadline means: nothing to say when no request had begun."""
+        if self.framer.in_body:
+            return body_timeout(self.body_timeout)
+        return head_timeout(self.head_timeout) if self.framer.head_started else None
+
     async def _read(self, n: int) -> bytes:
         if self._pending is not None:
             await self._refuse(self._pending)
@@ -353,7 +369,9 @@ class ClientReader:
     def _track_deadline(self, heads_before: int, head_was_started: bool) -> None:
         completed = self.framer.heads != heads_before
         if self.framer.state != HEAD or completed:
-            self.deadline = None  # a request is being read or served, or the stream is not ours
+            self.deadline = None  # a request is being served, or the stream is not ours
+        if self.framer.in_body:
+            self.deadline = self.clock() + self.body_timeout  # the body must keep arriving
         if self.framer.head_started and (completed or not head_was_started):
             limit = self.clock() + self.head_timeout  # a (next) head began
             self.deadline = limit if self.deadline is None else min(self.deadline, limit)
@@ -411,6 +429,7 @@ class LimitSettings:
     max_body: int
     head_timeout: float
     idle_timeout: float
+    body_timeout: float
     max_connections_per_peer: int
 
 
@@ -431,7 +450,7 @@ class Limits:
         if router is None:
             return None
         cfg = router.cfg
-        return LimitSettings(cfg.max_head, cfg.max_body, cfg.head_timeout, cfg.idle_timeout,
+        return LimitSettings(cfg.max_head, cfg.max_body, cfg.head_timeout, cfg.idle_timeout, cfg.body_timeout,
                              cfg.max_connections_per_peer)
 
     def count(self, reason: Rejection) -> None:
@@ -460,7 +479,7 @@ class Limits:
             self._refuse_connection(client, io, limits.max_connections_per_peer)
             return
         reader = ClientReader(io.reader, io.writer, RequestFramer(limits.max_head, limits.max_body),
-                              limits.head_timeout, limits.idle_timeout, self._refused)
+                              limits.head_timeout, limits.idle_timeout, limits.body_timeout, self._refused)
         io.reader = reader
         self._clients[client] = reader
 

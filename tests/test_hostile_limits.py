@@ -29,7 +29,7 @@ from llamasim import SimConfig, SimServer
 MAX_BODY = 1024 * 1024
 CHAT = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
 LIMITS = {"max_body": "1MiB", "max_head": "64KiB", "head_timeout": "1s", "idle_timeout": "2s",
-          "max_connections_per_peer": 8}
+          "body_timeout": "1s", "max_connections_per_peer": 8}
 
 
 @dataclass
@@ -143,6 +143,25 @@ async def test_a_declared_body_over_max_body_is_refused_before_it_is_sent(tmp_pa
         reader, writer = await connect(r.port)
         writer.write(head(Content_Length=str(10 ** 12)))
         assert_json_error(*await answer(reader, timeout=5), 413)
+
+
+async def test_a_stalled_request_body_is_a_json_408_and_a_slow_steady_one_is_served(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        writer.write(head(Content_Length="1000") + b"{")  # then nothing
+        started = time.monotonic()
+        assert_json_error(*await answer(reader, timeout=10), 408)
+        assert time.monotonic() - started < 5
+        reader, writer = await connect(r.port)
+        writer.write(head(Content_Length=str(len(CHAT)), Connection="close"))
+        for i in range(0, len(CHAT), 12):  # 2.5 s in all, never pausing for body_timeout
+            await asyncio.sleep(0.5)
+            writer.write(CHAT[i:i + 12])
+        status, _, body = await answer(reader)
+        assert status == 200, body
+        reader, writer = await connect(r.port)
+        writer.write(head("GET", "/_crossbar/metrics", Connection="close"))
+        assert b'crossbar_rejected_total{reason="body_timeout"} 1.0' in (await answer(reader))[2]
 
 
 async def test_a_chunked_body_is_cut_at_max_body_with_the_same_json_413(tmp_path: Path) -> None:
