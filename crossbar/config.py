@@ -136,6 +136,12 @@ class Config:
     max_head: int = 64 * 1024  # request and response heads (request line / status line + headers)
     max_connections_per_peer: int = 256
 
+    @property
+    def buffered_body_max(self) -> int:
+        """The largest body mitmproxy buffers (a larger one is streamed): room for a body at
+        `max_body` and some JSON around it. It also bounds what crossbar reads of an answer itself."""
+        return 2 * self.max_body + MIB
+
 
 # Features parsed and validated now but refused by `check_supported` until they work.
 # Later work removes a name here once its feature is implemented.

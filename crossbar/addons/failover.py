@@ -20,12 +20,12 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from crossbar import errors
 from crossbar.addons.runtime import LOCAL, Runtime, close_socket, exchange_of
-from crossbar.decisions import Reason
+from crossbar.decisions import Reason, Rejection
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
 from crossbar.limiter import ClientGone
 from crossbar.tap import SSETap
-from crossbar.upstream import forward_headers, preflight, resend
+from crossbar.upstream import AnswerTooLarge, forward_headers, preflight, resend
 
 log = logging.getLogger("crossbar")
 
@@ -194,7 +194,7 @@ class Failover:
         retry = asyncio.ensure_future(resend(
             rt.session, flow.request.method, conf.base_url + ex.path,
             forward_headers(flow.request.headers.items()), flow.request.raw_content or b"",
-            router.cfg.connect_timeout, router.cfg.first_byte_timeout,
+            router.cfg.connect_timeout, router.cfg.first_byte_timeout, router.cfg.buffered_body_max,
         ))
         left = asyncio.ensure_future(gone.wait())
         try:
@@ -207,6 +207,10 @@ class Failover:
             return
         try:
             new_status, headers, body = retry.result()
+        except AnswerTooLarge as exc:
+            rt.answer(flow, CrossbarError(502, "bad_gateway", f"{exc} (2 x max_body + 1 MiB)",
+                                          reason=Rejection.UPSTREAM_TOO_LARGE), ex)
+            return
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             router.passive_mark(ex.host, f"retry failed: {exc}")
             ex.err = f"retry on {ex.host} failed: {exc}"
