@@ -47,6 +47,7 @@ DEADLINE_CHECK = 1.0  # seconds between looks at a deadline set while a read was
 LINGER_SECONDS = 2.0
 TRIM_AFTER = 1024 * 1024  # an unfinished upload larger than this returns its memory to the system
 HEAD, LENGTH, CHUNKED, PASS = "head", "length", "chunked", "pass"
+ANSWERED = "crossbar.answered"  # flow.metadata: the flow's answer was counted as written
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +195,7 @@ class RequestFramer:
         self._chunks: ChunkCounter | None = None
         self._fresh = True  # nothing received on this connection yet
         self.heads = 0  # complete heads passed on
+        self.whole = 0  # requests passed on whole (head and body): each gets an answer
 
     @property
     def head_started(self) -> bool:
@@ -226,6 +228,7 @@ class RequestFramer:
                 self._remaining -= take
                 if not self._remaining:
                     self.state = HEAD
+                    self.whole += 1
                 continue
             if self.state == CHUNKED:
                 assert self._chunks is not None
@@ -236,6 +239,7 @@ class RequestFramer:
                     return bytes(out), body_too_large(self.max_body)
                 if verdict:
                     self.state = PASS if verdict == "malformed" else HEAD
+                    self.whole += verdict == "done"
                 continue
             data, pos, refusal = self._feed_head(data, pos, out)
             if refusal:
@@ -260,10 +264,11 @@ class RequestFramer:
         self.head.clear()
         if has_folded_line(head):
             return b"", 0, folded_header()
-        self.heads += 1
         self.state, self._remaining = body_framing(head)
         if self.state == LENGTH and self._remaining > self.max_body:
             return b"", 0, body_too_large(self.max_body)
+        self.heads += 1
+        self.whole += self.state == HEAD
         if self.state == CHUNKED:
             self._chunks = ChunkCounter(self.max_body)
         out += head
@@ -322,6 +327,12 @@ class ClientReader:
         self.closed = False
         self._pending: Refusal | None = None  # to answer at the next read, after delivering data
         self.body_bytes = 0  # passed on since the last head began (the head included)
+        self.answered = 0  # answers mitmproxy has written on this connection
+        self._answer = asyncio.Event()
+
+    def answer_written(self) -> None:
+        self.answered += 1
+        self._answer.set()
 
     def response_done(self) -> None:
         """The answer to the last request went out: the next head may take `idle_timeout` to begin."""
@@ -382,6 +393,10 @@ class ClientReader:
         self.closed = True
         if refusal is not None:
             self.on_refusal(refusal)
+            # HTTP/1.1 answers in order: every request passed on whole is answered before this
+            while self.answered < self.framer.whole:
+                self._answer.clear()
+                await self._answer.wait()
             with contextlib.suppress(OSError, RuntimeError):
                 self.writer.write(refusal.response())
                 await asyncio.wait_for(self.writer.drain(), LINGER_SECONDS)
@@ -536,3 +551,21 @@ class Limits:
         client = self._clients.get(flow.client_conn)
         if client is not None:
             client.response_done()
+            if not flow.metadata.get(ANSWERED):
+                flow.metadata[ANSWERED] = True
+                _when_hook_returns(client.answer_written)
+
+
+def _when_hook_returns(callback: Callable[[], None]) -> None:
+    """Run `callback` once the task running this hook ends: mitmproxy runs each hook on a task of
+    its own that writes what the hook decided (the answer) before it ends; later addons' hooks
+    may still await before that."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop: called outside mitmproxy
+        task = None
+    if task is None:
+        callback()
+    else:
+        task.add_done_callback(lambda _: callback())
+

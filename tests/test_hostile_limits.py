@@ -20,6 +20,7 @@ from mitmproxy.net.http.http1 import read_request_head
 
 from crossbar.limits import (
     ChunkCounter,
+    ClientReader,
     RequestFramer,
     ResponseHeadFramer,
     body_framing,
@@ -196,6 +197,21 @@ async def test_a_folded_header_is_a_json_400_and_does_not_lift_max_head(tmp_path
         await chat_ok(r.port)
 
 
+async def test_a_refusal_never_overtakes_the_answer_to_an_earlier_pipelined_request(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}).encode()
+        writer.write(head(Content_Length=str(len(chat))) + chat
+                     + head(X_Pad="a" * 200_000, Content_Length=str(len(CHAT))) + CHAT)
+        with suppress(ConnectionError):
+            await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 15)
+        writer.close()
+        first, _, rest = data.partition(b"\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 200"), data[:300]
+        assert b"HTTP/1.1 431" in rest and b'"choices"' in rest.split(b"HTTP/1.1 431")[0], data[:600]
+
+
 async def test_an_oversized_request_head_is_431(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         reader, writer = await connect(r.port)
@@ -336,6 +352,42 @@ def test_a_folded_header_never_frames_a_body_mitmproxy_would_not_read(header: by
     out, refusal = framer.feed(folded(header))
     assert out == b"" and refusal is not None and refusal.status == 400
     assert json.loads(refusal.response().split(b"\r\n\r\n", 1)[1])["error"]["code"] == 400
+
+
+class FeedReader:
+    def __init__(self, *pieces: bytes):
+        self.pieces = list(pieces)
+
+    async def read(self, n: int = -1) -> bytes:
+        if not self.pieces:
+            await asyncio.sleep(3600)
+        return self.pieces.pop(0)
+
+
+class ListWriter:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    async def drain(self) -> None:
+        pass
+
+
+async def test_a_refusal_waits_for_the_answers_to_the_requests_passed_on_before_it() -> None:
+    first = b"POST /a HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"
+    big = b"GET /b HTTP/1.1\r\nX: " + b"a" * 2000
+    writer = ListWriter()
+    reader = ClientReader(FeedReader(first + big[:500], big[500:], b""), writer,
+                          RequestFramer(max_head=1024, max_body=100), 10, 10, 10, lambda _: None)
+    assert await reader.read() == first
+    refusing = asyncio.ensure_future(reader.read())
+    await asyncio.sleep(0.05)
+    assert not refusing.done() and writer.written == []  # the answer to /a is still due
+    reader.answer_written()
+    assert await asyncio.wait_for(refusing, 5) == b""
+    assert writer.written[0].startswith(b"HTTP/1.1 431")
 
 
 def test_tls_and_http2_pass_untouched() -> None:
