@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,8 +226,8 @@ async def test_an_oversized_request_head_is_431(tmp_path: Path) -> None:
 
 
 @asynccontextmanager
-async def giant_head_upstream(head_bytes: int) -> AsyncIterator[str]:
-    """Answers the poller like llama-server; answers a completion with a `head_bytes` header."""
+async def raw_upstream(complete: Callable[[asyncio.StreamWriter], Awaitable[None]]) -> AsyncIterator[str]:
+    """Answers the poller like llama-server; `complete` writes the answer to each completion."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
@@ -237,12 +237,7 @@ async def giant_head_upstream(head_bytes: int) -> AsyncIterator[str]:
                                if h.lower().startswith(b"content-length:")), 0)
                 await reader.readexactly(length)
                 if line.startswith(b"POST"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
-                    for _ in range(head_bytes // 65536):
-                        writer.write(b"X-Big: " + b"a" * 65526 + b"\r\n")
-                        await writer.drain()
-                    writer.write(b"Content-Length: 2\r\n\r\n{}")
-                    await writer.drain()
+                    await complete(writer)
                     continue
                 path = line.split(b" ")[1]
                 body = {b"/health": b'{"status":"ok"}', b"/v1/models": b'{"data":[{"id":"m"}]}',
@@ -262,6 +257,19 @@ async def giant_head_upstream(head_bytes: int) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
         server.close()
+
+
+def giant_head_upstream(head_bytes: int) -> AbstractAsyncContextManager[str]:
+    """Answers a completion with a `head_bytes` header."""
+    async def complete(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+        for _ in range(head_bytes // 65536):
+            writer.write(b"X-Big: " + b"a" * 65526 + b"\r\n")
+            await writer.drain()
+        writer.write(b"Content-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    return raw_upstream(complete)
 
 
 async def test_a_giant_response_head_is_crossbars_502_and_marks_the_host(tmp_path: Path) -> None:

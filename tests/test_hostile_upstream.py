@@ -11,7 +11,7 @@ import time
 import urllib.request
 import zlib
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from harness import (
     write_config,
 )
 from test_hostile_limits import CHAT as LIMITS_CHAT
-from test_hostile_limits import connect, head, rig
+from test_hostile_limits import connect, head, raw_upstream, rig
 
 from llamasim import SimConfig
 
@@ -125,37 +125,14 @@ async def test_usage_is_read_from_a_gzip_answer_that_reaches_the_client_unchange
     assert (row.prompt_tokens, row.completion_tokens) == (5, 2)
 
 
-POLL = {b"/health": b'{"status":"ok"}', b"/v1/models": b'{"data":[{"id":"m"}]}',
-        b"/props": b'{"total_slots":1,"default_generation_settings":{"n_ctx":4096}}', b"/slots": b"[]"}
+def gzip_upstream(payload: bytes) -> AbstractAsyncContextManager[str]:
+    """Answers a completion with `payload` as a gzip-encoded JSON body."""
+    async def complete(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        await writer.drain()
 
-
-@asynccontextmanager
-async def gzip_upstream(payload: bytes) -> AsyncIterator[str]:
-    """Answers the poller like llama-server; answers a completion with `payload` as gzip."""
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with suppress(Exception):
-            while True:
-                request_head = await reader.readuntil(b"\r\n\r\n")
-                line = request_head.split(b"\r\n", 1)[0]
-                length = next((int(h.split(b":")[1]) for h in request_head.split(b"\r\n")
-                               if h.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
-                if line.startswith(b"POST"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                                 b"Content-Encoding: gzip\r\n"
-                                 b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
-                else:
-                    body = POLL.get(line.split(b" ")[1].split(b"?")[0], b"{}")
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+    return raw_upstream(complete)
 
 
 def rss_mib(pid: int) -> float:
