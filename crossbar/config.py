@@ -132,8 +132,15 @@ class Config:
     admin_names: tuple[str, ...] = ()  # host names (besides the listen addresses) the admin API answers to
     head_timeout: float = 10.0  # a request head must be complete this long after it began
     idle_timeout: float = 60.0  # a kept-alive client connection may idle this long between requests
+    body_timeout: float = 30.0  # a request body may pause this long between two reads
     max_head: int = 64 * 1024  # request and response heads (request line / status line + headers)
     max_connections_per_peer: int = 256
+
+    @property
+    def buffered_body_max(self) -> int:
+        """The largest body mitmproxy buffers (a larger one is streamed): room for a body at
+        `max_body` and some JSON around it. It also bounds what crossbar reads of an answer itself."""
+        return 2 * self.max_body + MIB
 
 
 # Features parsed and validated now but refused by `check_supported` until they work.
@@ -152,7 +159,7 @@ _TOP_KEYS = frozenset(
         "max_body", "allow_any_address", "identity", "admin_listen", "connect_timeout",
         "first_byte_timeout", "drain_timeout", "mitmweb_keep_flows", "yield_factor", "hosts", "routes",
         "admin_token", "admin_peers", "admin_names", "head_timeout", "idle_timeout", "max_head",
-        "max_connections_per_peer",
+        "max_connections_per_peer", "body_timeout",
     }
 )  # fmt: skip
 _HOST_KEYS = frozenset({"base_url", "weight", "models", "wake"})
@@ -686,6 +693,7 @@ _TOP_SCALARS: dict[str, Callable[[object, str], Any]] = {
     "admin_names": lambda v, k: tuple(_host_name(n, k) for n in _str_list(v, k)),
     "head_timeout": _positive_duration,
     "idle_timeout": _positive_duration,
+    "body_timeout": _positive_duration,
     "max_head": lambda v, k: _size_at_least(v, k, 4096),
     "max_connections_per_peer": lambda v, k: _int(v, k, 1),
 }

@@ -52,9 +52,11 @@ class Rejection(StrEnum):
     TOO_LARGE = "too_large"  # 413: body over max_body
     HEAD_TOO_LARGE = "head_too_large"  # 431: request head over max_head
     HEAD_TIMEOUT = "head_timeout"  # 408: request head not complete within head_timeout
+    BODY_TIMEOUT = "body_timeout"  # 408: request body paused longer than body_timeout
     PEER_CONNECTIONS = "peer_connections"  # 503: more connections from one address than allowed
     UPSTREAM_HEAD_TOO_LARGE = "upstream_head_too_large"  # 502: a host's response head over max_head
     UPSTREAM_FAILED = "upstream_failed"  # 502: the host failed the request before its first byte
+    UPSTREAM_TOO_LARGE = "upstream_too_large"  # 502: a retried answer over 2 x max_body + 1 MiB
     NO_HOST = "no_host"  # 503: no healthy host
     PINNED_DOWN = "pinned_down"  # 503: the route's pinned host is down
     QUEUE_FULL = "queue_full"  # 503: every slot busy and the queue full

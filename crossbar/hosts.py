@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,10 +25,14 @@ from urllib.parse import quote
 import aiohttp
 
 from crossbar.config import HostConf
+from crossbar.request import MODEL_MAX
 
 log = logging.getLogger("crossbar.hosts")
 
 GOOD_POLLS_TO_RECOVER = 2
+POLL_ANSWER_MAX = 1024 * 1024  # bytes of one poll answer; a larger one fails the poll
+PARSE_OFF_LOOP = 64 * 1024  # a poll answer larger than this is parsed on a worker thread
+MODELS_MAX = 256  # model names (ids and aliases) believed from one host; the rest are ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +53,7 @@ class PollResult:
     slots: int = 0
     models: dict[str, ModelCtx] = field(default_factory=dict)
     free_slots: dict[str, int] = field(default_factory=dict)  # model ("" = the single server) → free
+    ignored_models: int = 0  # reported model names not believed (too many, too long, unprintable)
 
 
 @dataclass(slots=True)
@@ -69,6 +75,7 @@ class HostState:
     # crossbar's own requests that may have been running when `/slots` was read, per slot key:
     # a slot they held then is free again once they end
     ours_seen: dict[str, int] = field(default_factory=dict)
+    ignored_models: int = 0
 
 
 # ---------------------------------------------------------------- parsing (pure)
@@ -76,20 +83,35 @@ class HostState:
 
 def parse_models(body: Any) -> dict[str, str]:
     """`/v1/models` → {model id: status}; an entry without a status (single server) is "loaded"."""
+    return read_models(body)[0]
+
+
+def _model_name(name: Any) -> bool:
+    return isinstance(name, str) and 0 < len(name) <= MODEL_MAX and name.isprintable()
+
+
+def read_models(body: Any) -> tuple[dict[str, str], int]:
+    """`/v1/models` → ({model id or alias: status}, names ignored). At most MODELS_MAX names are
+    believed, each 1 to MODEL_MAX printable characters (the rule for a client's model name)."""
     out: dict[str, str] = {}
+    ignored = 0
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
-        return out
+        return out, ignored
     for entry in data:
         if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
             continue
         status = entry.get("status")
         value = status.get("value") if isinstance(status, dict) else None
-        out[entry["id"]] = value if isinstance(value, str) else "loaded"
-        for alias in entry.get("aliases") or ():
-            if isinstance(alias, str) and alias not in out:
-                out[alias] = out[entry["id"]]
-    return out
+        aliases = entry.get("aliases")
+        for name in [entry["id"], *(aliases if isinstance(aliases, list) else ())]:
+            if name in out:
+                continue
+            if not _model_name(name) or len(out) >= MODELS_MAX:
+                ignored += 1
+                continue
+            out[name] = value if isinstance(value, str) else "loaded"
+    return out, ignored
 
 
 def parse_props(body: Any) -> tuple[bool, ModelCtx]:
@@ -263,6 +285,10 @@ class Fleet:
             st.n_ctx, st.slots = res.n_ctx, res.slots
             st.models, st.free_slots = res.models, res.free_slots
             st.ours_seen = dict(ours_seen or {})
+            if res.ignored_models and not st.ignored_models:
+                log.warning("host %s reports %d model names crossbar ignores (more than %d, or not 1 to %d "
+                            "printable characters)", host, res.ignored_models, MODELS_MAX, MODEL_MAX)
+            st.ignored_models = res.ignored_models
             st.good_polls += 1
             if not st.polled or st.good_polls >= GOOD_POLLS_TO_RECOVER:
                 st.healthy = True
@@ -279,13 +305,27 @@ def _address(conf: HostConf) -> tuple[str, str, int, str]:
 # ---------------------------------------------------------------- polling (I/O)
 
 
+class PollAnswerTooLarge(Exception):
+    pass
+
+
 async def _get_json(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    """(status, parsed JSON or None); an answer over POLL_ANSWER_MAX bytes raises PollAnswerTooLarge."""
     async with session.get(url) as resp:
-        try:
-            body = await resp.json(content_type=None)
-        except ValueError:
-            body = None
-        return resp.status, body
+        raw = bytearray()
+        async for chunk in resp.content.iter_any():
+            raw += chunk
+            if len(raw) > POLL_ANSWER_MAX:
+                path = url.split("/", 3)[-1].split("?", 1)[0]
+                raise PollAnswerTooLarge(f"/{path} answered more than {POLL_ANSWER_MAX} bytes")
+        return resp.status, await _parse_json(bytes(raw))
+
+
+async def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if len(raw) <= PARSE_OFF_LOOP else await asyncio.to_thread(json.loads, raw)
+    except ValueError:
+        return None
 
 
 async def poll_host(session: aiohttp.ClientSession, conf: HostConf) -> PollResult:
@@ -298,10 +338,11 @@ async def poll_host(session: aiohttp.ClientSession, conf: HostConf) -> PollResul
         status, body = await _get_json(session, f"{base}/v1/models")
         if status != 200:
             return PollResult(ok=False, error=f"/v1/models answered {status}")
-        statuses = parse_models(body)
+        statuses, ignored = read_models(body)
         status, body = await _get_json(session, f"{base}/props")
         router, host_ctx = parse_props(body) if status == 200 else (False, ModelCtx())
-        res = PollResult(ok=True, router=router, n_ctx=host_ctx.n_ctx, slots=host_ctx.slots)
+        res = PollResult(ok=True, router=router, n_ctx=host_ctx.n_ctx, slots=host_ctx.slots,
+                         ignored_models=ignored)
         if router:
             res.loaded = frozenset(m for m, s in statuses.items() if s == "loaded")
             await _poll_router_models(session, base, res)
@@ -312,7 +353,7 @@ async def poll_host(session: aiohttp.ClientSession, conf: HostConf) -> PollResul
             if free is not None:
                 res.free_slots[""] = free
         return res
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+    except (aiohttp.ClientError, TimeoutError, OSError, PollAnswerTooLarge) as exc:
         return PollResult(ok=False, error=_describe(exc))
 
 

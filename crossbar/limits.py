@@ -5,9 +5,11 @@ over its `body_size_limit` with an HTML page. So crossbar wraps each connection'
 
 - a request head is held back until it is complete: over `max_head` bytes is a JSON 431, not
   complete within `head_timeout` of its first byte (or of the connection's start) is a JSON 408;
-  a kept-alive connection may idle `idle_timeout` between requests;
+  a kept-alive connection may idle `idle_timeout` between requests; a head with a folded header
+  line is a JSON 400 (mitmproxy would read it differently);
 - a `Content-Length` over `max_body` is a JSON 413 before any of the body is read; a chunked body
-  is counted as it arrives and cut with the same JSON 413 when it passes `max_body`;
+  is counted as it arrives and cut with the same JSON 413 when it passes `max_body`; a body that
+  pauses longer than `body_timeout` between two reads is a JSON 408;
 - a response head from an upstream over `max_head` never reaches mitmproxy: the client gets
   crossbar's JSON 502 and the host is marked down;
 - each peer address may hold at most `max_connections_per_peer` connections;
@@ -45,6 +47,7 @@ DEADLINE_CHECK = 1.0  # seconds between looks at a deadline set while a read was
 LINGER_SECONDS = 2.0
 TRIM_AFTER = 1024 * 1024  # an unfinished upload larger than this returns its memory to the system
 HEAD, LENGTH, CHUNKED, PASS = "head", "length", "chunked", "pass"
+ANSWERED = "crossbar.answered"  # flow.metadata: the flow's answer was counted as written
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +59,9 @@ class Refusal:
 
     def response(self, extra_headers: str = "") -> bytes:
         body = json.dumps({"error": {"code": self.status, "type": self.type, "message": self.message}})
-        phrase = {408: "Request Timeout", 413: "Content Too Large", 431: "Request Header Fields Too Large",
-                  502: "Bad Gateway", 503: "Service Unavailable"}[self.status]
+        phrase = {400: "Bad Request", 408: "Request Timeout", 413: "Content Too Large",
+                  431: "Request Header Fields Too Large", 502: "Bad Gateway",
+                  503: "Service Unavailable"}[self.status]
         return (f"HTTP/1.1 {self.status} {phrase}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra_headers}\r\n{body}").encode()
 
@@ -76,6 +80,23 @@ def body_too_large(limit: int) -> Refusal:
 def head_timeout(limit: float) -> Refusal:
     return Refusal(408, BAD_REQUEST, f"request head not complete within {limit:g}s (head_timeout)",
                    Rejection.HEAD_TIMEOUT)
+
+
+def folded_header() -> Refusal:
+    return Refusal(400, BAD_REQUEST, "request head has a folded (obs-fold) header line",
+                   Rejection.BAD_REQUEST)
+
+
+def has_folded_line(head: bytes) -> bool:
+    """Whether a header line starts with a space or tab: an obsolete line folding, which mitmproxy
+    joins onto the previous header while a plain reading takes it for a header of its own. Heads
+    that carry one are refused, so that crossbar and mitmproxy never disagree on framing."""
+    return any(line[:1] in (b" ", b"\t") for line in head.split(b"\n")[1:])
+
+
+def body_timeout(limit: float) -> Refusal:
+    return Refusal(408, BAD_REQUEST, f"request body paused longer than {limit:g}s (body_timeout)",
+                   Rejection.BODY_TIMEOUT)
 
 
 def _head_end(buf: bytearray) -> int:
@@ -174,10 +195,15 @@ class RequestFramer:
         self._chunks: ChunkCounter | None = None
         self._fresh = True  # nothing received on this connection yet
         self.heads = 0  # complete heads passed on
+        self.whole = 0  # requests passed on whole (head and body): each gets an answer
 
     @property
     def head_started(self) -> bool:
         return self.state == HEAD and bool(self.head)
+
+    @property
+    def in_body(self) -> bool:
+        return self.state in (LENGTH, CHUNKED)
 
     def feed(self, data: bytes) -> tuple[bytes, Refusal | None]:
         """What may go on to mitmproxy now, and a refusal when the stream broke a limit (what is
@@ -202,6 +228,7 @@ class RequestFramer:
                 self._remaining -= take
                 if not self._remaining:
                     self.state = HEAD
+                    self.whole += 1
                 continue
             if self.state == CHUNKED:
                 assert self._chunks is not None
@@ -212,6 +239,7 @@ class RequestFramer:
                     return bytes(out), body_too_large(self.max_body)
                 if verdict:
                     self.state = PASS if verdict == "malformed" else HEAD
+                    self.whole += verdict == "done"
                 continue
             data, pos, refusal = self._feed_head(data, pos, out)
             if refusal:
@@ -234,10 +262,13 @@ class RequestFramer:
             return b"", 0, head_too_large(self.max_head)
         head, rest = bytes(self.head[:end]), bytes(self.head[end:])
         self.head.clear()
-        self.heads += 1
+        if has_folded_line(head):
+            return b"", 0, folded_header()
         self.state, self._remaining = body_framing(head)
         if self.state == LENGTH and self._remaining > self.max_body:
             return b"", 0, body_too_large(self.max_body)
+        self.heads += 1
+        self.whole += self.state == HEAD
         if self.state == CHUNKED:
             self._chunks = ChunkCounter(self.max_body)
         out += head
@@ -286,15 +317,22 @@ class ClientReader:
     and answers a refusal itself (mitmproxy then sees the connection end)."""
 
     def __init__(self, inner: Reader, writer: Any, framer: RequestFramer, head_timeout_s: float,
-                 idle_timeout_s: float, on_refusal: Callable[[Refusal], None],
+                 idle_timeout_s: float, body_timeout_s: float, on_refusal: Callable[[Refusal], None],
                  clock: Callable[[], float] = time.monotonic):
         self.inner, self.writer, self.framer = inner, writer, framer
         self.head_timeout, self.idle_timeout = head_timeout_s, idle_timeout_s
+        self.body_timeout = body_timeout_s
         self.on_refusal, self.clock = on_refusal, clock
         self.deadline: float | None = clock() + head_timeout_s
         self.closed = False
         self._pending: Refusal | None = None  # to answer at the next read, after delivering data
         self.body_bytes = 0  # passed on since the last head began (the head included)
+        self.answered = 0  # answers mitmproxy has written on this connection
+        self._answer = asyncio.Event()
+
+    def answer_written(self) -> None:
+        self.answered += 1
+        self._answer.set()
 
     def response_done(self) -> None:
         """The answer to the last request went out: the next head may take `idle_timeout` to begin."""
@@ -308,8 +346,7 @@ class ClientReader:
             except TimeoutError:
                 if self.deadline is None or self.clock() < self.deadline:
                     continue  # no deadline yet (or a later one): look again
-                started = self.framer.head_started
-                return await self._refuse(head_timeout(self.head_timeout) if started else None)
+                return await self._refuse(self._timed_out())
             if not data:
                 return b""
             heads_before, head_was_started = self.framer.heads, self.framer.head_started
@@ -326,6 +363,12 @@ class ClientReader:
                 return out
         return b""
 
+    def _timed_out(self) -> Refusal | None:
+        """What a passed deadline means: nothing to say when no request had begun."""
+        if self.framer.in_body:
+            return body_timeout(self.body_timeout)
+        return head_timeout(self.head_timeout) if self.framer.head_started else None
+
     async def _read(self, n: int) -> bytes:
         if self._pending is not None:
             await self._refuse(self._pending)
@@ -337,7 +380,9 @@ class ClientReader:
     def _track_deadline(self, heads_before: int, head_was_started: bool) -> None:
         completed = self.framer.heads != heads_before
         if self.framer.state != HEAD or completed:
-            self.deadline = None  # a request is being read or served, or the stream is not ours
+            self.deadline = None  # a request is being served, or the stream is not ours
+        if self.framer.in_body:
+            self.deadline = self.clock() + self.body_timeout  # the body must keep arriving
         if self.framer.head_started and (completed or not head_was_started):
             limit = self.clock() + self.head_timeout  # a (next) head began
             self.deadline = limit if self.deadline is None else min(self.deadline, limit)
@@ -348,6 +393,10 @@ class ClientReader:
         self.closed = True
         if refusal is not None:
             self.on_refusal(refusal)
+            # HTTP/1.1 answers in order: every request passed on whole is answered before this
+            while self.answered < self.framer.whole:
+                self._answer.clear()
+                await self._answer.wait()
             with contextlib.suppress(OSError, RuntimeError):
                 self.writer.write(refusal.response())
                 await asyncio.wait_for(self.writer.drain(), LINGER_SECONDS)
@@ -395,6 +444,7 @@ class LimitSettings:
     max_body: int
     head_timeout: float
     idle_timeout: float
+    body_timeout: float
     max_connections_per_peer: int
 
 
@@ -415,7 +465,7 @@ class Limits:
         if router is None:
             return None
         cfg = router.cfg
-        return LimitSettings(cfg.max_head, cfg.max_body, cfg.head_timeout, cfg.idle_timeout,
+        return LimitSettings(cfg.max_head, cfg.max_body, cfg.head_timeout, cfg.idle_timeout, cfg.body_timeout,
                              cfg.max_connections_per_peer)
 
     def count(self, reason: Rejection) -> None:
@@ -444,7 +494,7 @@ class Limits:
             self._refuse_connection(client, io, limits.max_connections_per_peer)
             return
         reader = ClientReader(io.reader, io.writer, RequestFramer(limits.max_head, limits.max_body),
-                              limits.head_timeout, limits.idle_timeout, self._refused)
+                              limits.head_timeout, limits.idle_timeout, limits.body_timeout, self._refused)
         io.reader = reader
         self._clients[client] = reader
 
@@ -501,3 +551,21 @@ class Limits:
         client = self._clients.get(flow.client_conn)
         if client is not None:
             client.response_done()
+            if not flow.metadata.get(ANSWERED):
+                flow.metadata[ANSWERED] = True
+                _when_hook_returns(client.answer_written)
+
+
+def _when_hook_returns(callback: Callable[[], None]) -> None:
+    """Run `callback` once the task running this hook ends: mitmproxy runs each hook on a task of
+    its own that writes what the hook decided (the answer) before it ends; later addons' hooks
+    may still await before that."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop: called outside mitmproxy
+        task = None
+    if task is None:
+        callback()
+    else:
+        task.add_done_callback(lambda _: callback())
+

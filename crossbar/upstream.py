@@ -34,6 +34,10 @@ def forward_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]
     return [(k, v) for k, v in headers if k.lower() not in _DROP]
 
 
+class AnswerTooLarge(Exception):
+    """The retried answer is longer than the caller allows."""
+
+
 async def resend(
     session: aiohttp.ClientSession,
     method: str,
@@ -42,12 +46,18 @@ async def resend(
     body: bytes,
     connect_timeout: float,
     first_byte_timeout: float,
+    max_answer: int,
 ) -> tuple[int, list[tuple[str, str]], bytes]:
-    """Send the request again to another host and read the whole answer."""
+    """Send the request again to another host and read the whole answer, at most `max_answer`
+    bytes of it as received (else AnswerTooLarge)."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=first_byte_timeout)
     async with session.request(
         method, url, headers=headers, data=body, timeout=timeout, auto_decompress=False
     ) as resp:
-        payload = await resp.read()
+        payload = bytearray()
+        async for piece in resp.content.iter_any():
+            payload += piece
+            if len(payload) > max_answer:
+                raise AnswerTooLarge(f"the retried answer is over {max_answer} bytes")
         kept = [(k, v) for k, v in resp.headers.items() if k.lower() not in _DROP]
-        return resp.status, kept, payload
+        return resp.status, kept, bytes(payload)

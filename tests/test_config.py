@@ -537,6 +537,7 @@ BAD = [
     bad("admin_names", [], "must not be empty"),
     bad("head_timeout", "0s", "must be longer than zero"),
     bad("idle_timeout", 5, "not a duration"),
+    bad("body_timeout", "0s", "must be longer than zero"),
     bad("max_head", "1KiB", "must be at least 4096 bytes"),
     bad("max_connections_per_peer", 0, "must be >= 1"),
     bad("listen", "[::ffff:0.0.0.0]:7777", ".*every address"),
@@ -547,11 +548,12 @@ def test_admin_and_limit_settings() -> None:
     cfg = parse_config(make((p("identity"), "tailscale"), (p("admin_peers"), ["kyle@github"]),
                             (p("admin_token"), "0123456789abcdef"), (p("admin_names"), ["Crossbar.TS.net."]),
                             (p("head_timeout"), "2s"), (p("idle_timeout"), "30s"), (p("max_head"), "16KiB"),
-                            (p("max_connections_per_peer"), 4)))
+                            (p("max_connections_per_peer"), 4), (p("body_timeout"), "5s")))
     assert (cfg.admin_peers, cfg.admin_token, cfg.admin_names) == (("kyle@github",), "0123456789abcdef",
                                                                    ("crossbar.ts.net",))
-    limits = (cfg.head_timeout, cfg.idle_timeout, cfg.max_head, cfg.max_connections_per_peer)
-    assert limits == (2, 30, 16384, 4)
+    limits = (cfg.head_timeout, cfg.idle_timeout, cfg.max_head, cfg.max_connections_per_peer,
+              cfg.body_timeout)
+    assert limits == (2, 30, 16384, 4, 5)
 
 
 @pytest.mark.parametrize(("edits", "key", "problem"), BAD)

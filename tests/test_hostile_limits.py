@@ -8,17 +8,19 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness import HostSpec, MitmdumpProcess, split_response, start_mitmdump, write_config
+from mitmproxy.net.http.http1 import read_request_head
 
 from crossbar.limits import (
     ChunkCounter,
+    ClientReader,
     RequestFramer,
     ResponseHeadFramer,
     body_framing,
@@ -28,7 +30,7 @@ from llamasim import SimConfig, SimServer
 MAX_BODY = 1024 * 1024
 CHAT = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
 LIMITS = {"max_body": "1MiB", "max_head": "64KiB", "head_timeout": "1s", "idle_timeout": "2s",
-          "max_connections_per_peer": 8}
+          "body_timeout": "1s", "max_connections_per_peer": 8}
 
 
 @dataclass
@@ -50,7 +52,7 @@ async def rig(tmp_path: Path, base_url: str | None = None, **top: Any) -> AsyncI
     try:
         cfg = write_config(tmp_path / "c.toml", {"a": (base_url or sim.url, HostSpec({"m": {}}))},
                            {"r": {"default_model": "m"}}, **{**LIMITS, **top})
-        proxy = await asyncio.to_thread(start_mitmdump, cfg, ["--set", "server=false"])
+        proxy = await asyncio.to_thread(start_mitmdump, cfg)
         try:
             yield Rig(proxy)
         finally:
@@ -144,6 +146,25 @@ async def test_a_declared_body_over_max_body_is_refused_before_it_is_sent(tmp_pa
         assert_json_error(*await answer(reader, timeout=5), 413)
 
 
+async def test_a_stalled_request_body_is_a_json_408_and_a_slow_steady_one_is_served(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        writer.write(head(Content_Length="1000") + b"{")  # then nothing
+        started = time.monotonic()
+        assert_json_error(*await answer(reader, timeout=10), 408)
+        assert time.monotonic() - started < 5
+        reader, writer = await connect(r.port)
+        writer.write(head(Content_Length=str(len(CHAT)), Connection="close"))
+        for i in range(0, len(CHAT), 12):  # 2.5 s in all, never pausing for body_timeout
+            await asyncio.sleep(0.5)
+            writer.write(CHAT[i:i + 12])
+        status, _, body = await answer(reader)
+        assert status == 200, body
+        reader, writer = await connect(r.port)
+        writer.write(head("GET", "/_crossbar/metrics", Connection="close"))
+        assert b'crossbar_rejected_total{reason="body_timeout"} 1.0' in (await answer(reader))[2]
+
+
 async def test_a_chunked_body_is_cut_at_max_body_with_the_same_json_413(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         reader, writer = await connect(r.port)
@@ -162,6 +183,35 @@ async def test_a_chunked_body_is_cut_at_max_body_with_the_same_json_413(tmp_path
         await chat_ok(r.port)
 
 
+async def test_a_folded_header_is_a_json_400_and_does_not_lift_max_head(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        writer.write(b"GET /_crossbar/hosts HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: b\r\n"
+                     b" Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(b"GET /_crossbar/hosts HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nX-Big: "
+                     + b"a" * (3 << 20) + b"\r\n\r\n")
+        with suppress(ConnectionError):
+            await writer.drain()
+        assert_json_error(*await answer(reader, 15), 400)
+        writer.close()
+        await chat_ok(r.port)
+
+
+async def test_a_refusal_never_overtakes_the_answer_to_an_earlier_pipelined_request(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}).encode()
+        writer.write(head(Content_Length=str(len(chat))) + chat
+                     + head(X_Pad="a" * 200_000, Content_Length=str(len(CHAT))) + CHAT)
+        with suppress(ConnectionError):
+            await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 15)
+        writer.close()
+        first, _, rest = data.partition(b"\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 200"), data[:300]
+        assert b"HTTP/1.1 431" in rest and b'"choices"' in rest.split(b"HTTP/1.1 431")[0], data[:600]
+
+
 async def test_an_oversized_request_head_is_431(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         reader, writer = await connect(r.port)
@@ -176,8 +226,8 @@ async def test_an_oversized_request_head_is_431(tmp_path: Path) -> None:
 
 
 @asynccontextmanager
-async def giant_head_upstream(head_bytes: int) -> AsyncIterator[str]:
-    """Answers the poller like llama-server; answers a completion with a `head_bytes` header."""
+async def raw_upstream(complete: Callable[[asyncio.StreamWriter], Awaitable[None]]) -> AsyncIterator[str]:
+    """Answers the poller like llama-server; `complete` writes the answer to each completion."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
@@ -187,12 +237,7 @@ async def giant_head_upstream(head_bytes: int) -> AsyncIterator[str]:
                                if h.lower().startswith(b"content-length:")), 0)
                 await reader.readexactly(length)
                 if line.startswith(b"POST"):
-                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
-                    for _ in range(head_bytes // 65536):
-                        writer.write(b"X-Big: " + b"a" * 65526 + b"\r\n")
-                        await writer.drain()
-                    writer.write(b"Content-Length: 2\r\n\r\n{}")
-                    await writer.drain()
+                    await complete(writer)
                     continue
                 path = line.split(b" ")[1]
                 body = {b"/health": b'{"status":"ok"}', b"/v1/models": b'{"data":[{"id":"m"}]}',
@@ -212,6 +257,19 @@ async def giant_head_upstream(head_bytes: int) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
         server.close()
+
+
+def giant_head_upstream(head_bytes: int) -> AbstractAsyncContextManager[str]:
+    """Answers a completion with a `head_bytes` header."""
+    async def complete(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+        for _ in range(head_bytes // 65536):
+            writer.write(b"X-Big: " + b"a" * 65526 + b"\r\n")
+            await writer.drain()
+        writer.write(b"Content-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    return raw_upstream(complete)
 
 
 async def test_a_giant_response_head_is_crossbars_502_and_marks_the_host(tmp_path: Path) -> None:
@@ -278,11 +336,66 @@ def test_request_framer_holds_back_heads_and_passes_bodies_and_pipelined_request
     (b"GET / HTTP/1.1\r\nX: " + b"a" * 2000 + b"\r\n\r\n", 431),
     (b"POST / HTTP/1.1\r\nContent-Length: 101\r\n\r\n", 413),
     (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n40\r\n" + b"x" * 64 + b"\r\n40\r\n", 413),
+    (b"GET / HTTP/1.1\r\nX-A: b\r\n Transfer-Encoding: chunked\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nX-A: b\r\n\tContent-Length: 1000000\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\nX-A: b\n Content-Length: 10\n\n", 400),
 ])
 def test_request_framer_refusals(data: bytes, status: int) -> None:
     for feed in (lambda f, d: f.feed(d), feed_bytewise):
         _, refusal = feed(RequestFramer(max_head=1024, max_body=100), data)
         assert refusal is not None and refusal.status == status
+
+
+def folded(header: bytes) -> bytes:
+    return b"GET /_crossbar/hosts HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: b\r\n " + header + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("header", [b"Transfer-Encoding: chunked", b"Content-Length: 1000000"])
+def test_a_folded_header_never_frames_a_body_mitmproxy_would_not_read(header: bytes) -> None:
+    """mitmproxy joins a folded line onto the header before it (so it reads no body here); the
+    framer must never take it for a header of its own, or the limits stop holding for what follows."""
+    lines = folded(header).split(b"\r\n")[:-2]
+    assert not {"content-length", "transfer-encoding"} & set(read_request_head(lines).headers.keys())
+    framer = RequestFramer(max_head=64 * 1024, max_body=32 << 20)
+    out, refusal = framer.feed(folded(header))
+    assert out == b"" and refusal is not None and refusal.status == 400
+    assert json.loads(refusal.response().split(b"\r\n\r\n", 1)[1])["error"]["code"] == 400
+
+
+class FeedReader:
+    def __init__(self, *pieces: bytes):
+        self.pieces = list(pieces)
+
+    async def read(self, n: int = -1) -> bytes:
+        if not self.pieces:
+            await asyncio.sleep(3600)
+        return self.pieces.pop(0)
+
+
+class ListWriter:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    async def drain(self) -> None:
+        pass
+
+
+async def test_a_refusal_waits_for_the_answers_to_the_requests_passed_on_before_it() -> None:
+    first = b"POST /a HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}"
+    big = b"GET /b HTTP/1.1\r\nX: " + b"a" * 2000
+    writer = ListWriter()
+    reader = ClientReader(FeedReader(first + big[:500], big[500:], b""), writer,
+                          RequestFramer(max_head=1024, max_body=100), 10, 10, 10, lambda _: None)
+    assert await reader.read() == first
+    refusing = asyncio.ensure_future(reader.read())
+    await asyncio.sleep(0.05)
+    assert not refusing.done() and writer.written == []  # the answer to /a is still due
+    reader.answer_written()
+    assert await asyncio.wait_for(refusing, 5) == b""
+    assert writer.written[0].startswith(b"HTTP/1.1 431")
 
 
 def test_tls_and_http2_pass_untouched() -> None:

@@ -5,14 +5,31 @@ mitmproxy, in front of a malicious stand-in llama-server."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import time
+import urllib.request
+import zlib
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from harness import Proxy, crossbar_proxy, recording_upstream, request_rows, single_host_config
+from harness import (
+    HostSpec,
+    Proxy,
+    crossbar_proxy,
+    recording_upstream,
+    request_rows,
+    sim_fleet,
+    single_host_config,
+    write_config,
+)
+from test_hostile_limits import CHAT as LIMITS_CHAT
+from test_hostile_limits import connect, head, raw_upstream, rig
+
+from llamasim import SimConfig
 
 CHAT = "/r/v1/chat/completions"
 
@@ -84,3 +101,89 @@ async def test_a_cached_count_larger_than_the_prompt_is_not_believed(tmp_path: P
         await asyncio.sleep(0)
         row = (await request_rows(proxy))[0]
         assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (10, None, 3)
+
+
+# ---------------------------------------------------------------- a compressed answer
+
+
+def gzip_bomb(decoded_mib: int) -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    mib = b"a" * (1 << 20)
+    parts = [packer.compress(b'{"x":"')] + [packer.compress(mib) for _ in range(decoded_mib)]
+    return b"".join([*parts, packer.compress(b'"}'), packer.flush()])
+
+
+async def test_usage_is_read_from_a_gzip_answer_that_reaches_the_client_unchanged(tmp_path: Path) -> None:
+    reply = gzip.compress(lying_reply(prompt_tokens=5, completion_tokens=2))
+    async with (recording_upstream(reply, [b""], {"Content-Encoding": "gzip"}) as up,
+                crossbar_proxy(single_host_config(tmp_path / "c.toml", up.url)) as proxy):
+        async with (aiohttp.ClientSession(auto_decompress=False) as s,
+                    s.post(proxy.url + CHAT, json=small_chat(10)) as r):
+            assert r.status == 200 and r.headers["Content-Encoding"] == "gzip"
+            assert await r.read() == reply
+        row = (await request_rows(proxy))[0]
+    assert (row.prompt_tokens, row.completion_tokens) == (5, 2)
+
+
+def gzip_upstream(payload: bytes) -> AbstractAsyncContextManager[str]:
+    """Answers a completion with `payload` as a gzip-encoded JSON body."""
+    async def complete(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        await writer.drain()
+
+    return raw_upstream(complete)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_a_gzip_bomb_is_not_decoded_whole_on_the_event_loop(tmp_path: Path) -> None:
+    """1 MiB on the wire, 1 GiB decoded: crossbar reads usage within its bound, off the loop,
+    and the client still gets the answer as sent (a real mitmdump process, measured)."""
+    payload = await asyncio.to_thread(gzip_bomb, 1024)
+    async with gzip_upstream(payload) as url, rig(tmp_path, base_url=url) as r:
+        before = rss_mib(r.proxy.proc.pid)
+        reader, writer = await connect(r.port)
+        writer.write(head(Content_Length=str(len(LIMITS_CHAT)), Connection="close") + LIMITS_CHAT)
+        answer = asyncio.ensure_future(asyncio.wait_for(reader.read(), 60))
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{r.port}/_crossbar/hosts", timeout=30).read())
+        stalled = time.monotonic() - started
+        got = await answer
+        writer.close()
+        grown = rss_mib(r.proxy.proc.pid) - before
+        await asyncio.sleep(0.5)
+        metrics = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{r.port}/_crossbar/metrics", timeout=30).read())
+    assert got.endswith(payload)
+    assert grown < 256, f"crossbar grew by {grown:.0f} MiB for a {len(payload) >> 10} KiB answer"
+    assert stalled < 2, f"an admin call waited {stalled:.1f}s behind the decoding"
+    assert b'crossbar_usage_figures_dropped_total{host="a"} 1.0' in metrics
+
+
+# ---------------------------------------------------------------- a retried answer
+
+
+async def test_a_retried_answer_over_the_bound_is_crossbars_502(tmp_path: Path) -> None:
+    big = json.dumps({"data": [{"embedding": [0.125] * 300_000}]}).encode()  # over 2 x 64 KiB + 1 MiB
+    assert len(big) > 2 << 20
+    # a has more free slots (so takes the request) and fails it once; b answers the retry
+    failing = HostSpec({"m": {}}, sim=SimConfig(models=["m"], n_slots=8, fail_status=500, fail_times=1))
+    async with sim_fleet({"a": failing}) as fleet, recording_upstream(big, [b""]) as up:
+        hosts = {"a": (fleet["a"].url, failing), "b": (up.url, HostSpec({"m": {}}))}
+        routes = {"r": {"hosts": ["a", "b"], "default_model": "m"}}
+        cfg = write_config(tmp_path / "c.toml", hosts, routes, max_body="64KiB")
+        async with crossbar_proxy(cfg) as proxy:
+            status, body = await post(proxy, CHAT, small_chat(10))
+            async with aiohttp.ClientSession() as s, s.get(proxy.url + "/_crossbar/metrics") as r:
+                text = await r.text()
+    assert status == 502 and body["error"]["type"] == "bad_gateway", body
+    assert "retried answer is over" in body["error"]["message"]
+    assert 'crossbar_rejected_total{reason="upstream_too_large"} 1.0' in text

@@ -4,13 +4,26 @@ that never makes a llama-server router load a model."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import suppress
 from types import MappingProxyType
 
 import pytest
 from samples_util import SAMPLES, load
 
 from crossbar.config import HostConf, ModelConf
-from crossbar.hosts import Fleet, ModelCtx, Poller, PollResult, parse_free_slots, parse_models, parse_props
+from crossbar.hosts import (
+    MODELS_MAX,
+    POLL_ANSWER_MAX,
+    Fleet,
+    ModelCtx,
+    Poller,
+    PollResult,
+    parse_free_slots,
+    parse_models,
+    parse_props,
+    read_models,
+)
+from crossbar.request import MODEL_MAX
 from llamasim import SimConfig, SimServer
 
 needs_samples = pytest.mark.skipif(not SAMPLES.is_dir(), reason="llama-lab samples not available")
@@ -59,6 +72,25 @@ def test_parse_free_slots_against_samples(sample: str, free: int | None) -> None
 @pytest.mark.parametrize("body", [None, [], "x", {"data": "x"}, {"data": [1, {"id": 5}]}])
 def test_parse_models_tolerates_garbage(body: object) -> None:
     assert parse_models(body) == {}
+
+
+def test_a_host_reporting_100k_models_is_not_believed_whole() -> None:
+    body = {"data": [{"id": f"model-{i}-" + "x" * 200, "aliases": [f"alias-{i}"]} for i in range(100_000)]}
+    models, ignored = read_models(body)
+    assert len(models) == MODELS_MAX and ignored == 200_000 - MODELS_MAX
+    assert list(models)[:3] == ["model-0-" + "x" * 200, "alias-0", "model-1-" + "x" * 200]
+
+
+@pytest.mark.parametrize("name", ["m" * (MODEL_MAX + 1), "m" * 1_000_000, "", "a\nb", "a\x1b[2Jb", "\u2028"])
+def test_a_reported_model_name_follows_the_client_model_name_rule(name: str) -> None:
+    assert read_models({"data": [{"id": name}, {"id": "ok", "aliases": [name, 7]}]}) == ({"ok": "loaded"}, 3)
+
+
+def test_ignored_model_names_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    fleet = Fleet({"a": host_conf("a")})
+    for _ in range(3):
+        fleet.apply("a", PollResult(ok=True, loaded=frozenset({"m"}), ignored_models=5))
+    assert sum("ignores" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_parse_props_ignores_bad_figures() -> None:
@@ -238,6 +270,31 @@ async def test_poll_of_a_hung_host_is_bounded_by_the_timeout() -> None:
         finally:
             sim.set(hang=False)
             await poller.stop()
+
+
+async def test_a_poll_answer_over_the_bound_fails_the_poll() -> None:
+    huge = b'{"data": [{"id": "reported", "pad": "' + b"x" * POLL_ANSWER_MAX + b'"}]}'
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with suppress(Exception):
+            while True:
+                line = (await reader.readuntil(b"\r\n\r\n")).split(b" ", 2)[1]
+                body = huge if line == b"/v1/models" else b'{"status": "ok"}'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    fleet = Fleet({"a": host_conf("a", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")})
+    poller = Poller(fleet, interval=60, timeout=5)
+    try:
+        await poller.poll_once()
+    finally:
+        await poller.stop()
+        server.close()
+    assert not fleet.healthy("a") and not fleet.knows("a", "reported")
+    assert fleet.state["a"].last_err == f"/v1/models answered more than {POLL_ANSWER_MAX} bytes"
 
 
 async def _chat(url: str, model: str) -> None:

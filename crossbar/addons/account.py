@@ -3,21 +3,28 @@
 
   responseheaders  SSE → stream through the usage tap; a body past the buffering bound →
                    stream it, keeping its tail for usage
-  response         read usage; end the request (in a `finally`)
+  response         read usage (a compressed answer: decoded within a bound, on a worker thread);
+                   end the request (in a `finally`)
   error            cut stream, refused connect, client gone: end the request (in a `finally`)
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import Callable
+from functools import partial
 
 from mitmproxy import http
 
 from crossbar import request as req
 from crossbar.addons.runtime import LOCAL, Runtime, exchange_of
+from crossbar.encoded import usage_of_encoded
 from crossbar.exchange import Exchange
-from crossbar.tap import SSETap, usage_from_body
+from crossbar.tap import SSETap, Usage, usage_from_body
+
+log = logging.getLogger("crossbar")
 
 TAIL = "crossbar.tail"  # flow.metadata key of a streamed answer's BodyTail
 
@@ -36,8 +43,12 @@ class Account:
         elif flow.response.stream:  # mitmproxy streams a body past its buffering bound
             flow.metadata[TAIL] = flow.response.stream = BodyTail()
 
-    def response(self, flow: http.HTTPFlow) -> None:
-        self._end(flow, self._read_answer)
+    async def response(self, flow: http.HTTPFlow) -> None:
+        decoded: Usage | None = None
+        try:
+            decoded = await self._usage_of_encoded(flow)
+        finally:
+            self._end(flow, partial(self._read_answer, decoded=decoded))
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._end(flow, self._read_error)
@@ -56,7 +67,21 @@ class Account:
             self.rt.done_with(flow)
             router.finish(ex)
 
-    def _read_answer(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+    async def _usage_of_encoded(self, flow: http.HTTPFlow) -> Usage | None:
+        """Usage of a buffered compressed answer, decoded on a worker thread up to the size
+        mitmproxy buffers an answer at; one it cannot read counts as a dropped figure."""
+        ex, cfg, response = exchange_of(flow), self.rt.cfg, flow.response
+        if (ex is None or cfg is None or response is None or not _encoded(response) or not ex.completion
+                or ex.tap is not None or TAIL in flow.metadata or flow.metadata.get(LOCAL)):
+            return None
+        encoding, cap = response.headers["content-encoding"], cfg.buffered_body_max
+        found = await asyncio.to_thread(usage_of_encoded, response.raw_content or b"", encoding, cap)
+        if found.unread:
+            log.warning("crossbar: usage from %s %s", ex.host, found.unread)
+            return Usage(dropped=1)
+        return found.usage
+
+    def _read_answer(self, flow: http.HTTPFlow, ex: Exchange, decoded: Usage | None = None) -> None:
         if flow.response is None:
             return
         ex.status = flow.response.status_code
@@ -65,7 +90,7 @@ class Account:
         elif TAIL in flow.metadata:
             ex.usage = usage_from_body(flow.metadata.pop(TAIL).usage_json())
         elif ex.completion and not flow.metadata.get(LOCAL):
-            ex.usage = usage_from_body(_content(flow.response))
+            ex.usage = decoded if _encoded(flow.response) else usage_from_body(flow.response.raw_content)
         if ex.status >= 400 and not ex.err:
             ex.err = f"upstream answered {ex.status}"
 
@@ -103,11 +128,8 @@ class BodyTail:
         return json.dumps({"usage": usage}).encode()
 
 
-def _content(response: http.Response) -> bytes | None:
-    try:
-        return response.content
-    except ValueError:  # undecodable Content-Encoding
-        return None
+def _encoded(response: http.Response) -> bool:
+    return response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
 
 
 def _holds_large_body(flow: http.HTTPFlow) -> bool:

@@ -25,7 +25,7 @@ from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
 from crossbar.limiter import ClientGone
 from crossbar.tap import SSETap
-from crossbar.upstream import forward_headers, preflight, resend
+from crossbar.upstream import AnswerTooLarge, forward_headers, preflight, resend
 
 log = logging.getLogger("crossbar")
 
@@ -197,7 +197,7 @@ class Failover:
         retry = asyncio.ensure_future(resend(
             rt.session, flow.request.method, conf.base_url + ex.path,
             forward_headers(flow.request.headers.items()), flow.request.raw_content or b"",
-            router.cfg.connect_timeout, router.cfg.first_byte_timeout,
+            router.cfg.connect_timeout, router.cfg.first_byte_timeout, router.cfg.buffered_body_max,
         ))
         left = asyncio.ensure_future(gone.wait())
         try:
@@ -210,6 +210,10 @@ class Failover:
             return
         try:
             new_status, headers, body = retry.result()
+        except AnswerTooLarge as exc:
+            rt.answer(flow, CrossbarError(502, "bad_gateway", f"{exc} (2 x max_body + 1 MiB)",
+                                          reason=Rejection.UPSTREAM_TOO_LARGE), ex)
+            return
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             router.passive_mark(ex.host, f"retry failed: {exc}")
             ex.err = f"retry on {ex.host} failed: {exc}"

@@ -146,7 +146,7 @@ def mitmproxy_options(cfg: Config) -> dict[str, Any]:
     past `stream_large_bodies` are streamed, not buffered; crossbar answers JSON 413 above max_body."""
     return {"connection_strategy": "lazy",
             "keep_host_header": True,  # the admin API checks the Host the client sent
-            "stream_large_bodies": str(2 * cfg.max_body + (1 << 20)),
+            "stream_large_bodies": str(cfg.buffered_body_max),
             "tcp_timeout": max(600, int(cfg.first_byte_timeout) + 60)}
 
 
