@@ -39,6 +39,8 @@ class Usage:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     predicted_ms: float | None = None
+    prompt_n: int | None = None  # prompt tokens the host evaluated (the uncached part)
+    prompt_ms: float | None = None  # time it took to evaluate them
     dropped: int = field(default=0, compare=False)  # out-of-range figures (stored as None)
 
     @property
@@ -111,6 +113,8 @@ def usage_from_object(obj: Mapping[str, Any]) -> Usage | None:
         completion_tokens=_first(fig.count(usage.get("completion_tokens")),
                                  fig.count(timings.get("predicted_n"))),
         predicted_ms=fig.millis(timings.get("predicted_ms")),
+        prompt_n=prompt_n,
+        prompt_ms=fig.millis(timings.get("prompt_ms")),
         dropped=fig.dropped,
     )
 
