@@ -406,13 +406,13 @@ def test_large_reply_usage_from_its_tail() -> None:
     body = _large_chat_reply(fake * 30_000)
     assert len(body) > 2 * 1024 * 1024
     assert usage_from_body(body) == Usage(prompt_tokens=7, cached_tokens=4, completion_tokens=5,
-                                          predicted_ms=10.0)
+                                          predicted_ms=10.0, prompt_n=3)
 
 
 def test_large_reply_is_not_parsed_whole() -> None:
     body = bytearray(_large_chat_reply("x" * 1_000_000))
     body[500_000:500_001] = b"\x00"  # not JSON any more, yet the tail still tells the usage
-    assert usage_from_body(bytes(body)) == Usage(7, 4, 5, 10.0)
+    assert usage_from_body(bytes(body)) == Usage(7, 4, 5, 10.0, 3)
 
 
 def test_large_embeddings_reply_usage_from_its_head() -> None:
