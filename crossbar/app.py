@@ -23,12 +23,15 @@ from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.exchange import Exchange
 from crossbar.guard import TokenEstimator, overflow
 from crossbar.hosts import Fleet, Poller, PollResult
-from crossbar.lease import LeaseEvent, LeaseTable
+from crossbar.learn import BusyMeter, RateLearner
+from crossbar.lease import Key, LeaseEvent, LeaseTable
 from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull
 from crossbar.metrics import LiveCollector, Metrics, SlotRow
 from crossbar.placement import Ask, Placement, Refusal, Snapshot, place
 from crossbar.store import Store
+from crossbar.tap import Usage
 from crossbar.wake import Waker
+from crossbar.yieldpolicy import HostLoad
 
 log = logging.getLogger("crossbar")
 
@@ -51,6 +54,10 @@ class Router:
         self.poller = Poller(self.fleet, cfg.poll_interval, cfg.poll_timeout, self._on_poll,
                              self._on_poll_round, self.limiter.usage)
         self.estimator = TokenEstimator()
+        self.learner = RateLearner(time.monotonic)  # rates and reply lengths, from replies' timings
+        self.meter = BusyMeter(time.monotonic)  # how busy each host has been lately
+        # (host, slot key) → the requests running there upstream, and when each was sent
+        self._upstream: dict[tuple[str, str], dict[Exchange, float]] = {}
         self.waker = Waker(cfg.hosts, self.fleet.healthy, self.poller.poll_one)
         self.live: set[Exchange] = set()  # admitted and not ended: what a graceful stop waits for
         self._housekeeping: asyncio.Task[None] | None = None
@@ -111,12 +118,15 @@ class Router:
             return self.estimator.estimate(host, ex.model, ex.prompt_bytes)
         return self.estimator.plain(ex.prompt_bytes)
 
-    def snapshot(self, route: RouteConf, model: str, tokens: Callable[[str], int] | None = None) -> Snapshot:
+    def snapshot(self, route: RouteConf, model: str, tokens: Callable[[str], int] | None = None,
+                 conversation: Key | None = None) -> Snapshot:
         """The fleet for this model, read lazily: a request that stays on its lease reads only
-        its own host. `tokens` gives the prompt estimate per host (else the request's own)."""
+        its own host. `tokens` gives the prompt estimate per host (else the request's own);
+        with `conversation`, each host's load as that conversation's turn sees it (lease yield)."""
         fleet = self.fleet
 
         def candidate(name: str) -> Candidate:
+            slots = fleet.capacity(name, fleet.slot_key(name, model))
             return Candidate(
                 name=name,
                 healthy=fleet.healthy(name),
@@ -127,6 +137,10 @@ class Router:
                 weight=fleet.conf[name].weight,
                 queued=self.queued(name, model),
                 order=route.hosts.index(name),
+                slots=slots,
+                in_flight=self.in_flight(name, model),
+                active_leases=self.leases.active_on(name),
+                recent_busy=self.meter.busy(name),
             )
 
         def ctx(name: str) -> int:
@@ -134,12 +148,28 @@ class Router:
 
         known = not model or any(fleet.knows(name, model) for name in route.hosts)
         per_host = Lazy(route.hosts, tokens) if tokens is not None else None
-        return Snapshot(Lazy(route.hosts, candidate), Lazy(route.hosts, ctx), known, per_host)
+        loads = None
+        if conversation is not None:
+            loads = Lazy(route.hosts, lambda name: self.host_load(name, model, conversation))
+        return Snapshot(Lazy(route.hosts, candidate), Lazy(route.hosts, ctx), known, per_host, loads)
+
+    def host_load(self, host: str, model: str, conversation: Key) -> HostLoad:
+        """What `host` holds for `model` (running upstream, queued here) with its learned rates,
+        as a turn of `conversation` arriving now sees it."""
+        key = self.fleet.slot_key(host, model)
+        now = time.monotonic()
+        running = [(now - sent, ex.key) for ex, sent in self._upstream.get((host, key), {}).items()]
+        return self.learner.host_load(host, model, self.fleet.capacity(host, key), running,
+                                      self.queued(host, model), conversation)
+
+    def yield_factor(self, route: RouteConf) -> float:
+        """The route's own factor, else the top-level one (0: its turns never yield)."""
+        return self.cfg.yield_factor if route.yield_factor is None else route.yield_factor
 
     def _ask(self, ex: Exchange, why: Reason) -> Ask:
         return Ask(route=ex.key.route, model=ex.model, hosts=ex.route.hosts, fp=ex.key.fp,
                    read=not ex.completion, tokens=self.estimate(ex), excluded=frozenset(ex.excluded),
-                   why=why)
+                   why=why, yield_factor=self.yield_factor(ex.route) if ex.completion else 0.0)
 
     def _place_once(self, ex: Exchange, why: Reason) -> Placement | Refusal:
         """Placement with each host's learned prompt estimate; a learned estimate alone never
@@ -147,7 +177,8 @@ class Router:
         once more with the plain estimate."""
         view = self.leases.view(ex.key, read=not ex.completion, own=ex.completion)
         ask, now = self._ask(ex, why), time.time()
-        learned = self.snapshot(ex.route, ex.model, lambda host: self.estimate(ex, host))
+        learned = self.snapshot(ex.route, ex.model, lambda host: self.estimate(ex, host),
+                                ex.key if ex.completion else None)
         result = place(ask, learned, view, now, self.cfg.lease_idle)
         if isinstance(result, Refusal) and result.reason == Rejection.CONTEXT:
             plain = place(ask, self.snapshot(ex.route, ex.model), view, now, self.cfg.lease_idle)
@@ -278,6 +309,31 @@ class Router:
         ex.decision = Decision.RETRIED
         log.warning("%s on %s: moved %s/%s to %s", why, failed, ex.key.route, ex.model, ex.host)
 
+    def sent(self, ex: Exchange) -> None:
+        """The request goes upstream to its host now (again, after a move): it counts as running
+        there for the load estimates and the busy meter until it ends (or is sent elsewhere)."""
+        if not ex.completion:
+            return
+        if ex.sent_to is None:
+            ex.on_end(lambda: self._unsent(ex))
+        else:
+            self._unsent(ex)
+        where = (ex.host, self.fleet.slot_key(ex.host, ex.model))
+        self._upstream.setdefault(where, {})[ex] = time.monotonic()
+        ex.sent_to = where
+        self.meter.start(ex.host)
+
+    def _unsent(self, ex: Exchange) -> None:
+        where, ex.sent_to = ex.sent_to, None
+        if where is None:
+            return
+        running = self._upstream.get(where)
+        if running is not None:
+            running.pop(ex, None)
+            if not running:
+                del self._upstream[where]
+        self.meter.end(where[0])
+
     def passive_mark(self, host: str, reason: str) -> None:
         if self.fleet.mark_down(host, reason):
             self.store.record_health(time.time(), host, False, [])
@@ -318,6 +374,7 @@ class Router:
         if u is None:
             return
         self.estimator.learn(host, ex.model, ex.path, ex.prompt_bytes, u.prompt_tokens)
+        self._learn_rates(ex, host, u)
         if u.dropped:
             log.warning("%s reported %d usage figure(s) out of range; stored as unknown", host, u.dropped)
             self.metrics.usage_dropped.labels(host).inc(u.dropped)
@@ -327,6 +384,13 @@ class Router:
                 self.metrics.tokens.labels(route, host, kind).inc(value)
         if u.tokens_per_second:
             self.metrics.generation_tps.labels(host, self.model_label(ex.model)).observe(u.tokens_per_second)
+
+    def _learn_rates(self, ex: Exchange, host: str, u: Usage) -> None:
+        """Teach the rate learner what the reply's timings say (figures already range-checked)."""
+        figures = {"prompt_n": u.prompt_n, "prompt_ms": u.prompt_ms, "cache_n": u.cached_tokens,
+                   "predicted_n": u.completion_tokens, "predicted_ms": u.predicted_ms}
+        self.learner.observe(host, ex.model, {k: v for k, v in figures.items() if v is not None},
+                             conversation=ex.key)
 
     def route_label(self, route: RouteConf) -> str:
         """A route made from a template is labelled by its template: labels come from the

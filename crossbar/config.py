@@ -138,7 +138,7 @@ class Config:
 
 # Features parsed and validated now but refused by `check_supported` until they work.
 # Later work removes a name here once its feature is implemented.
-NOT_YET_SUPPORTED: set[str] = {"yield_factor"}
+NOT_YET_SUPPORTED: set[str] = set()
 
 IDENTITIES = ("off", "tailscale", "header")
 AFFINITIES = ("conversation", "route")

@@ -113,7 +113,8 @@ CASES: dict[str, tuple[Case, Placement | Refusal]] = {
     "yield factor 0 (off, or the route opts out) → stays": (replace(YIELDING, yield_factor=0.0), STAY_A),
     "a larger factor than the gain → stays": (replace(YIELDING, yield_factor=6.0), STAY_A),
     "pinned route never yields": (
-        replace(YIELDING, lease=replace(LIVE, pin="a")), P("a", Decision.PINNED, LeaseChange(Change.USE, "a"))),
+        replace(YIELDING, lease=replace(LIVE, pin="a")),
+        P("a", Decision.PINNED, LeaseChange(Change.USE, "a"))),
     "no yield to a draining or unloaded host": (
         replace(YIELDING, hosts=fleet(a=H(free=0), b=H(draining=True), c=H(loaded=False))), STAY_A),
     "no yield for a request re-placed after a failure": (
