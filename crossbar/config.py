@@ -136,8 +136,8 @@ class Config:
     max_connections_per_peer: int = 256
 
 
-# Features parsed and validated now but refused by `check_supported` until they work.
-# Later work removes a name here once its feature is implemented.
+# Features parsed and validated now but refused by `check_supported` until they work (none now;
+# the mechanism stays for the next such feature).
 NOT_YET_SUPPORTED: set[str] = set()
 
 IDENTITIES = ("off", "tailscale", "header")
