@@ -76,3 +76,18 @@ async def test_even_load_never_yields(tmp_path: Path) -> None:
     assert {r.decision for r in rows} == {"new", "reused"}
     assert {e.reason for e in events} == {"new"}
     assert summed(samples, "crossbar_lease_moves_total", reason="yield") == 0
+
+
+async def test_a_retried_request_counts_as_running_once_on_the_host_that_answered(tmp_path: Path) -> None:
+    specs = {"a": HostSpec({"m": {"parallel": 1}}, sim=SimConfig(models=["m"], fail_status=500, fail_times=1,
+                                                                 **TIMED)),
+             "b": timed_host()}
+    async with fleet_with_route(tmp_path, specs) as (_fleet, proxy):
+        assert await post(proxy.url + CHAT, turn("s", 0, max_tokens=20, pad=100)) == 200
+        rows = await request_rows(proxy)
+        router = proxy.router
+        running = {host: state.running for host, state in router.meter._hosts.items()}
+        assert router._upstream == {}  # nothing is left running anywhere
+    assert [(r.host, r.decision) for r in rows] == [("b", "retried")]
+    assert running == {"a": 0, "b": 0}
+    assert router.learner.rates("b", "m").gen_tps == 1000.0  # learned from the answer's timings
