@@ -25,7 +25,7 @@ from crossbar.guard import TokenEstimator, overflow
 from crossbar.hosts import Fleet, Poller, PollResult
 from crossbar.learn import BusyMeter, RateLearner
 from crossbar.lease import Key, LeaseEvent, LeaseTable
-from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull
+from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull, Ticket
 from crossbar.metrics import LiveCollector, Metrics, SlotRow
 from crossbar.placement import Ask, Placement, Refusal, Snapshot, place
 from crossbar.store import Store
@@ -36,6 +36,14 @@ from crossbar.yieldpolicy import HostLoad
 log = logging.getLogger("crossbar")
 
 OTHER = "other"  # metrics label of a model no host's config lists
+
+
+class Yielded(Exception):
+    """A queued request was taken out of its host's queue to go where it will be served sooner."""
+
+    def __init__(self, placement: Placement) -> None:
+        super().__init__(f"yields to {placement.host}")
+        self.placement = placement
 
 
 class Router:
@@ -58,6 +66,9 @@ class Router:
         self.meter = BusyMeter(time.monotonic)  # how busy each host has been lately
         # (host, slot key) → the requests running there upstream, and when each was sent
         self._upstream: dict[tuple[str, str], dict[Exchange, float]] = {}
+        # (host, slot key) → the requests waiting in its queue, in queue order, with their tickets
+        self._waiting: dict[tuple[str, str], dict[Exchange, Ticket]] = {}
+        self._rebalance_due = False
         self.waker = Waker(cfg.hosts, self.fleet.healthy, self.poller.poll_one)
         self.live: set[Exchange] = set()  # admitted and not ended: what a graceful stop waits for
         self._housekeeping: asyncio.Task[None] | None = None
@@ -119,10 +130,11 @@ class Router:
         return self.estimator.plain(ex.prompt_bytes)
 
     def snapshot(self, route: RouteConf, model: str, tokens: Callable[[str], int] | None = None,
-                 conversation: Key | None = None) -> Snapshot:
+                 conversation: Key | None = None, ahead: Mapping[str, int] | None = None) -> Snapshot:
         """The fleet for this model, read lazily: a request that stays on its lease reads only
         its own host. `tokens` gives the prompt estimate per host (else the request's own);
-        with `conversation`, each host's load as that conversation's turn sees it (lease yield)."""
+        with `conversation`, each host's load as that conversation's turn sees it (lease yield);
+        `ahead`: per host where the turn already waits, the requests queued ahead of it."""
         fleet = self.fleet
 
         def candidate(name: str) -> Candidate:
@@ -150,17 +162,20 @@ class Router:
         per_host = Lazy(route.hosts, tokens) if tokens is not None else None
         loads = None
         if conversation is not None:
-            loads = Lazy(route.hosts, lambda name: self.host_load(name, model, conversation))
+            ahead = ahead or {}
+            loads = Lazy(route.hosts, lambda name: self.host_load(name, model, conversation, ahead.get(name)))
         return Snapshot(Lazy(route.hosts, candidate), Lazy(route.hosts, ctx), known, per_host, loads)
 
-    def host_load(self, host: str, model: str, conversation: Key) -> HostLoad:
-        """What `host` holds for `model` (running upstream, queued here) with its learned rates,
-        as a turn of `conversation` arriving now sees it."""
+    def host_load(self, host: str, model: str, conversation: Key, ahead: int | None = None) -> HostLoad:
+        """What `host` holds for `model` (running upstream, queued here: all of it, or the `ahead`
+        requests before a turn waiting there) with its learned rates, as a turn of
+        `conversation` sees it now."""
         key = self.fleet.slot_key(host, model)
         now = time.monotonic()
         running = [(now - sent, ex.key) for ex, sent in self._upstream.get((host, key), {}).items()]
-        return self.learner.host_load(host, model, self.fleet.capacity(host, key), running,
-                                      self.queued(host, model), conversation)
+        queued = self.queued(host, model) if ahead is None else ahead
+        return self.learner.host_load(host, model, self.fleet.capacity(host, key), running, queued,
+                                      conversation)
 
     def yield_factor(self, route: RouteConf) -> float:
         """The route's own factor, else the top-level one (0: its turns never yield)."""
@@ -171,14 +186,15 @@ class Router:
                    read=not ex.completion, tokens=self.estimate(ex), excluded=frozenset(ex.excluded),
                    why=why, yield_factor=self.yield_factor(ex.route) if ex.completion else 0.0)
 
-    def _place_once(self, ex: Exchange, why: Reason) -> Placement | Refusal:
+    def _place_once(self, ex: Exchange, why: Reason, ahead: Mapping[str, int] | None = None,
+                    ) -> Placement | Refusal:
         """Placement with each host's learned prompt estimate; a learned estimate alone never
         refuses a prompt that the plain byte estimate lets fit, so a context refusal is checked
         once more with the plain estimate."""
         view = self.leases.view(ex.key, read=not ex.completion, own=ex.completion)
         ask, now = self._ask(ex, why), time.time()
         learned = self.snapshot(ex.route, ex.model, lambda host: self.estimate(ex, host),
-                                ex.key if ex.completion else None)
+                                ex.key if ex.completion else None, ahead)
         result = place(ask, learned, view, now, self.cfg.lease_idle)
         if isinstance(result, Refusal) and result.reason == Rejection.CONTEXT:
             plain = place(ask, self.snapshot(ex.route, ex.model), view, now, self.cfg.lease_idle)
@@ -238,7 +254,7 @@ class Router:
 
     async def _slot_until_usable(self, ex: Exchange, gone: asyncio.Event | None) -> None:
         placed: Placement | None = None
-        for _ in range(len(ex.route.hosts) + 1):
+        for _ in range(len(ex.route.hosts) + 2):  # + 1: a queued turn may yield once
             try:
                 if placed is None:
                     await self.take_slot(ex, gone)
@@ -246,6 +262,9 @@ class Router:
                     await self._take_then_settle(ex, placed, gone)
             except HostDown:
                 pass
+            except Yielded as moved:
+                placed = moved.placement
+                continue
             else:
                 if self.usable(ex):
                     return
@@ -261,8 +280,14 @@ class Router:
         if not ex.completion:
             return
         key = self.fleet.slot_key(ex.host, ex.model)
+        ticket = Ticket(ex.host, key, held=ex.route.queue)
+        where = (ex.host, key)
+        self._waiting.setdefault(where, {})[ex] = ticket
         try:
-            ticket = await self.limiter.acquire(ex.host, key, gone, hold=ex.route.queue)
+            ticket = await self.limiter.acquire(ex.host, key, gone, hold=ex.route.queue, ticket=ticket)
+        except Yielded:
+            ex.queued_ms += int(ticket.queued_s * 1000)
+            raise
         except QueueFull as exc:
             ex.err = "queue full"
             raise errors.unavailable(
@@ -272,9 +297,45 @@ class Router:
         except ClientGone:
             ex.err = "client left while queued"
             raise
-        ex.hold_slot(ticket, self.limiter.release)
+        finally:
+            self._stop_waiting(where, ex)
+        ex.hold_slot(ticket, self._release)
         ex.queued_ms += int(ticket.queued_s * 1000)
         self.metrics.queue_wait.labels(ex.host, self.model_label(ex.model)).observe(ticket.queued_s)
+
+    def _stop_waiting(self, where: tuple[str, str], ex: Exchange) -> None:
+        waiting = self._waiting.get(where)
+        if waiting is not None:
+            waiting.pop(ex, None)
+            if not waiting:
+                del self._waiting[where]
+
+    def _release(self, ticket: Ticket) -> None:
+        """Give a slot back; with requests queued somewhere, each may now yield (soon, once)."""
+        self.limiter.release(ticket)
+        if self._waiting and not self._rebalance_due:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._rebalance_due = True
+            loop.call_soon(self._rebalance)
+
+    def _rebalance(self) -> None:
+        """A slot freed: a queued turn that has not yielded yet leaves its queue when placement
+        (with the requests ahead of it) now says it yields; it then takes its slot elsewhere."""
+        self._rebalance_due = False
+        for (host, _), waiting in list(self._waiting.items()):
+            for ahead, (ex, ticket) in enumerate(list(waiting.items())):
+                placed = self._yield_placement(ex, host, ahead)
+                if placed is not None and self.limiter.withdraw(ticket, Yielded(placed)):
+                    log.info("%s/%s queued on %s yields to %s", ex.key.route, ex.model, host, placed.host)
+
+    def _yield_placement(self, ex: Exchange, host: str, ahead: int) -> Placement | None:
+        if ex.decision == Decision.YIELD or ex.excluded or self.yield_factor(ex.route) <= 0:
+            return None
+        result = self._place_once(ex, Reason.UNHEALTHY, {host: ahead})
+        return result if isinstance(result, Placement) and result.decision == Decision.YIELD else None
 
     async def _take_then_settle(self, ex: Exchange, placed: Placement, gone: asyncio.Event | None) -> None:
         """Take the slot on the placed host, then apply the lease change. When no slot can be had

@@ -12,6 +12,7 @@ import aiohttp
 from accounting_util import scrape, summed
 from harness import HostSpec, conversation, fleet_with_route, lease_event_rows, request_rows, wait_until
 
+from crossbar.session import session_fp
 from llamasim import SimConfig
 
 CHAT = "/r/v1/chat/completions"
@@ -25,13 +26,16 @@ def timed_host(weight: float = 1.0) -> HostSpec:
 
 
 async def post(url: str, body: dict[str, Any]) -> int:
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.post(url, json=body) as resp:
+    """One turn, its session named in `X-Session-Id` (the row's key is then `session_fp(session)`)."""
+    headers = {"X-Session-Id": body.pop("session")}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.post(url, json=body, headers=headers) as resp:
         await resp.read()
         return resp.status
 
 
 def turn(session: str, n: int, max_tokens: int, pad: int) -> dict[str, Any]:
-    return {"messages": conversation(session, n + 1, pad=pad)[n], "max_tokens": max_tokens}
+    return {"messages": conversation(session, n + 1, pad=pad)[n], "max_tokens": max_tokens,
+            "session": session}
 
 
 async def test_a_turn_queued_behind_a_long_generation_yields_to_an_idle_host(tmp_path: Path) -> None:
@@ -56,6 +60,29 @@ async def test_a_turn_queued_behind_a_long_generation_yields_to_an_idle_host(tmp
     assert moves == [("a", "b", "yield")]
     assert summed(samples, "crossbar_lease_moves_total", reason="yield") == 1
     assert short_done < long_done, "the moved turn did not wait for the long generation"
+
+
+async def test_a_queued_turn_yields_when_a_slot_frees_elsewhere(tmp_path: Path) -> None:
+    specs = {"a": timed_host(), "b": timed_host()}
+    async with fleet_with_route(tmp_path, specs) as (fleet, proxy):
+        url = proxy.url + CHAT
+        running = lambda host: fleet[host].stats.inflight.get("m", 0) == 1  # noqa: E731
+        assert await post(url, turn("x", 0, max_tokens=2500, pad=2000)) == 200  # on a, a long reply
+        z0 = asyncio.create_task(post(url, turn("z", 0, max_tokens=2500, pad=2000)))  # on b, the same
+        await wait_until(lambda: running("b"), what="z on b")
+        assert await post(url, turn("y", 0, max_tokens=20, pad=4000)) == 200  # a is free: on a
+        assert await z0 == 200
+        x1 = asyncio.create_task(post(url, turn("x", 1, max_tokens=2500, pad=2000)))
+        z1 = asyncio.create_task(post(url, turn("z", 1, max_tokens=300, pad=2000)))  # shorter than feared
+        await wait_until(lambda: running("a") and running("b"), what="x on a and z on b")
+        # on arrival both hosts look busy for ~2.5 s: y waits on a; once z ends, b is free
+        assert await post(url, turn("y", 1, max_tokens=20, pad=4000)) == 200
+        x1_running = not x1.done()
+        assert await x1 == 200 and await z1 == 200
+        rows = await request_rows(proxy)
+    assert x1_running, "the queued turn waited for the long generation"
+    assert [(r.host, r.decision) for r in rows if r.fp == session_fp("y")] == [
+        ("a", "new"), ("b", "moved:yield")]
 
 
 async def test_even_load_never_yields(tmp_path: Path) -> None:
