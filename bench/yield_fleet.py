@@ -25,13 +25,12 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import string
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,19 +52,11 @@ Send = Callable[[str, list[dict[str, str]], int], Awaitable[dict[str, Any]]]
 
 
 @dataclass
-class Result:
-    policy: str
-    latencies: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    errors: int = 0
-    moves: int = 0
+class Result(yb.Result):
+    errors: int = 0  # turns that got no answer (the session stops there)
 
     def summary(self) -> dict[str, float]:
-        ordered = sorted(self.latencies)
-        return {"p50": yb.pct(ordered, 0.50), "p95": yb.pct(ordered, 0.95), "max": ordered[-1],
-                "mean": statistics.fmean(ordered), "cached": self.cached_tokens / max(self.prompt_tokens, 1),
-                "moves": self.moves, "turns": len(ordered), "errors": self.errors}
+        return {**super().summary(), "errors": self.errors}
 
 
 def text(rng: random.Random, n: int) -> str:
