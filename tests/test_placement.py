@@ -14,7 +14,7 @@ import pytest
 from crossbar.choose import Candidate
 from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.placement import Ask, Change, LeaseChange, LeaseView, Placement, Refusal, Snapshot, place
-from crossbar.yieldpolicy import HostLoad, Rates, Running
+from crossbar.yieldpolicy import YIELD, HostLoad, Rates, Running
 
 HOSTS = ("a", "b", "c")
 NOW = 10_000.0
@@ -194,3 +194,7 @@ def test_no_change_on_a_refusal_or_a_read() -> None:
     for case, expected in CASES.values():
         if case.read and isinstance(expected, Placement):
             assert expected.change.kind == Change.NONE
+
+
+def test_the_yield_reason_is_the_policys_word() -> None:
+    assert str(Reason.YIELD) == YIELD and str(Decision.YIELD) == f"moved:{YIELD}"
