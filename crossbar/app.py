@@ -325,14 +325,20 @@ class Router:
         """A slot freed: a queued turn that has not yielded yet leaves its queue when placement
         (with the requests ahead of it) now says it yields; it then takes its slot elsewhere."""
         self._rebalance_due = False
+        targets: set[str] = set()  # one move to a host per pass: the snapshot does not see it yet
         for (host, _), waiting in list(self._waiting.items()):
             for ahead, (ex, ticket) in enumerate(list(waiting.items())):
                 placed = self._yield_placement(ex, host, ahead)
-                if placed is not None and self.limiter.withdraw(ticket, Yielded(placed)):
-                    log.info("%s/%s queued on %s yields to %s", ex.key.route, ex.model, host, placed.host)
+                if placed is None or placed.host in targets:
+                    continue
+                if not self.limiter.withdraw(ticket, Yielded(placed)):
+                    continue
+                ex.yielded = True
+                targets.add(placed.host)
+                log.info("%s/%s queued on %s yields to %s", ex.key.route, ex.model, host, placed.host)
 
     def _yield_placement(self, ex: Exchange, host: str, ahead: int) -> Placement | None:
-        if ex.decision == Decision.YIELD or ex.excluded or self.yield_factor(ex.route) <= 0:
+        if ex.yielded or ex.decision == Decision.YIELD or ex.excluded or self.yield_factor(ex.route) <= 0:
             return None
         result = self._place_once(ex, Reason.UNHEALTHY, {host: ahead})
         return result if isinstance(result, Placement) and result.decision == Decision.YIELD else None
