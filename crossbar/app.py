@@ -24,7 +24,8 @@ from crossbar.exchange import Exchange
 from crossbar.fleetwide import FLEET_SLOT_WAIT, Fleetwide
 from crossbar.guard import TokenEstimator, overflow
 from crossbar.hosts import Fleet, Poller, PollResult
-from crossbar.lease import LeaseEvent, LeaseTable
+from crossbar.learn import BusyMeter, RateLearner
+from crossbar.lease import Key, LeaseEvent, LeaseTable
 from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull, Ticket
 from crossbar.metrics import CounterCollector, LiveCollector, Metrics, SlotRow
 from crossbar.placement import Ask, Change, Placement, Refusal, Snapshot, place
@@ -32,11 +33,21 @@ from crossbar.reload import Change as ConfigChange
 from crossbar.reload import stranded
 from crossbar.request import match_route
 from crossbar.store import Store
+from crossbar.tap import Usage
 from crossbar.wake import Waker
+from crossbar.yieldpolicy import HostLoad
 
 log = logging.getLogger("crossbar")
 
 OTHER = "other"  # metrics label of a model no host's config lists
+
+
+class Yielded(Exception):
+    """A queued request was taken out of its host's queue to go where it will be served sooner."""
+
+    def __init__(self, placement: Placement) -> None:
+        super().__init__(f"yields to {placement.host}")
+        self.placement = placement
 
 
 class Router:
@@ -55,6 +66,13 @@ class Router:
         self.poller = Poller(self.fleet, cfg.poll_interval, cfg.poll_timeout, self._on_poll,
                              self._on_poll_round, self.limiter.usage)
         self.estimator = TokenEstimator()
+        self.learner = RateLearner(time.monotonic)  # rates and reply lengths, from replies' timings
+        self.meter = BusyMeter(time.monotonic)  # how busy each host has been lately
+        # (host, slot key) → the requests running there upstream, and when each was sent
+        self._upstream: dict[tuple[str, str], dict[Exchange, float]] = {}
+        # (host, slot key) → the requests waiting in its queue, in queue order, with their tickets
+        self._waiting: dict[tuple[str, str], dict[Exchange, Ticket]] = {}
+        self._rebalance_due = False
         self.waker = Waker(cfg.hosts, self.fleet.healthy, self.poller.poll_one)
         self.live: set[Exchange] = set()  # admitted and not ended: what a graceful stop waits for
         self._housekeeping: asyncio.Task[None] | None = None
@@ -121,6 +139,7 @@ class Router:
         old, self.cfg, self._reloaded = self.cfg, new, True
         for name in (*change.hosts_removed, *self.fleet.reconfigure(new.hosts)):
             self.estimator.forget(name)
+            self.learner.forget(name)
         self.waker.hosts = new.hosts
         self.limiter.set_queue_max(new.queue_max)
         self.leases.idle = new.lease_idle
@@ -176,6 +195,8 @@ class Router:
         for name in self.fleet.sweep(lambda h: h in held or self.limiter.host_totals(h) != (0, 0)):
             self.limiter.forget(name)
             self.estimator.forget(name)  # what its last requests taught
+            self.learner.forget(name)
+            self.meter.forget(name)
 
     # ------------------------------------------------------------ a request's life
 
@@ -199,12 +220,16 @@ class Router:
             return self.estimator.estimate(host, ex.model, ex.prompt_bytes)
         return self.estimator.plain(ex.prompt_bytes)
 
-    def snapshot(self, route: RouteConf, model: str, tokens: Callable[[str], int] | None = None) -> Snapshot:
+    def snapshot(self, route: RouteConf, model: str, tokens: Callable[[str], int] | None = None,
+                 conversation: Key | None = None, ahead: Mapping[str, int] | None = None) -> Snapshot:
         """The fleet for this model, read lazily: a request that stays on its lease reads only
-        its own host. `tokens` gives the prompt estimate per host (else the request's own)."""
+        its own host. `tokens` gives the prompt estimate per host (else the request's own);
+        with `conversation`, each host's load as that conversation's turn sees it (lease yield);
+        `ahead`: per host where the turn already waits, the requests queued ahead of it."""
         fleet = self.fleet
 
         def candidate(name: str) -> Candidate:
+            slots = fleet.capacity(name, fleet.slot_key(name, model))
             return Candidate(
                 name=name,
                 healthy=fleet.healthy(name),
@@ -215,6 +240,10 @@ class Router:
                 weight=fleet.conf_of(name).weight,
                 queued=self.queued(name, model),
                 order=route.hosts.index(name),
+                slots=slots,
+                in_flight=self.in_flight(name, model),
+                active_leases=self.leases.active_on(name),
+                recent_busy=self.meter.busy(name),
             )
 
         def ctx(name: str) -> int:
@@ -222,20 +251,41 @@ class Router:
 
         known = not model or any(fleet.knows(name, model) for name in route.hosts)
         per_host = Lazy(route.hosts, tokens) if tokens is not None else None
-        return Snapshot(Lazy(route.hosts, candidate), Lazy(route.hosts, ctx), known, per_host)
+        loads = None
+        if conversation is not None:
+            ahead = ahead or {}
+            loads = Lazy(route.hosts, lambda name: self.host_load(name, model, conversation, ahead.get(name)))
+        return Snapshot(Lazy(route.hosts, candidate), Lazy(route.hosts, ctx), known, per_host, loads)
+
+    def host_load(self, host: str, model: str, conversation: Key, ahead: int | None = None) -> HostLoad:
+        """What `host` holds for `model` (running upstream, queued here: all of it, or the `ahead`
+        requests before a turn waiting there) with its learned rates, as a turn of
+        `conversation` sees it now."""
+        key = self.fleet.slot_key(host, model)
+        now = time.monotonic()
+        running = [(now - sent, ex.key) for ex, sent in self._upstream.get((host, key), {}).items()]
+        queued = self.queued(host, model) if ahead is None else ahead
+        return self.learner.host_load(host, model, self.fleet.capacity(host, key), running, queued,
+                                      conversation)
+
+    def yield_factor(self, route: RouteConf) -> float:
+        """The route's own factor, else the top-level one (0: its turns never yield)."""
+        return self.cfg.yield_factor if route.yield_factor is None else route.yield_factor
 
     def _ask(self, ex: Exchange, why: Reason) -> Ask:
         return Ask(route=ex.key.route, model=ex.model, hosts=ex.route.hosts, fp=ex.key.fp,
                    read=not ex.completion, tokens=self.estimate(ex), excluded=frozenset(ex.excluded),
-                   why=why)
+                   why=why, yield_factor=self.yield_factor(ex.route) if ex.completion else 0.0)
 
-    def _place_once(self, ex: Exchange, why: Reason) -> Placement | Refusal:
+    def _place_once(self, ex: Exchange, why: Reason, ahead: Mapping[str, int] | None = None,
+                    ) -> Placement | Refusal:
         """Placement with each host's learned prompt estimate; a learned estimate alone never
         refuses a prompt that the plain byte estimate lets fit, so a context refusal is checked
         once more with the plain estimate."""
         view = self.leases.view(ex.key, read=not ex.completion, own=ex.completion)
         ask, now = self._ask(ex, why), time.time()
-        learned = self.snapshot(ex.route, ex.model, lambda host: self.estimate(ex, host))
+        learned = self.snapshot(ex.route, ex.model, lambda host: self.estimate(ex, host),
+                                ex.key if ex.completion else None, ahead)
         result = place(ask, learned, view, now, self.cfg.lease_idle)
         if isinstance(result, Refusal) and result.reason == Rejection.CONTEXT:
             plain = place(ask, self.snapshot(ex.route, ex.model), view, now, self.cfg.lease_idle)
@@ -309,7 +359,7 @@ class Router:
 
     async def _slot_until_usable(self, ex: Exchange, gone: asyncio.Event | None) -> None:
         placed: Placement | None = None
-        for _ in range(len(ex.route.hosts) + 1):
+        for _ in range(len(ex.route.hosts) + 2):  # + 1: a queued turn may yield once
             try:
                 if placed is None:
                     await self.take_slot(ex, gone)
@@ -317,6 +367,9 @@ class Router:
                     await self._take_then_settle(ex, placed, gone)
             except HostDown:
                 pass
+            except Yielded as moved:
+                placed = moved.placement
+                continue
             else:
                 if self.usable(ex):
                     return
@@ -332,9 +385,12 @@ class Router:
         if not ex.completion:
             return
         key = self.fleet.slot_key(ex.host, ex.model)
+        ticket = Ticket(ex.host, key, held=ex.route.queue)
+        where = (ex.host, key)
+        self._waiting.setdefault(where, {})[ex] = ticket
         waiting_since = time.monotonic()
         try:
-            ticket = await self.limiter.acquire(ex.host, key, gone, hold=ex.route.queue)
+            ticket = await self.limiter.acquire(ex.host, key, gone, hold=ex.route.queue, ticket=ticket)
             release = await self._fleet_slot(ex, ticket, key, gone)
         except QueueFull as exc:
             ex.err = "queue full"
@@ -345,7 +401,8 @@ class Router:
         except ClientGone:
             ex.err = "client left while queued"
             raise
-        finally:  # the wait counts however it ended (granted, client gone, host down)
+        finally:  # the wait counts however it ended (granted, yielded, client gone, host down)
+            self._stop_waiting(where, ex)
             ex.queued_ms += int((time.monotonic() - waiting_since) * 1000)
         ex.hold_slot(ticket, release)
         self.metrics.queue_wait.labels(ex.host, self.model_label(ex.model)).observe(ticket.queued_s)
@@ -360,22 +417,62 @@ class Router:
         fw = self.fleetwide
         parallel = self.fleet.configured_parallel(ex.host, key)
         if fw is None or not parallel:
-            return self.limiter.release
+            return self._release
         wait = FLEET_SLOT_WAIT if ex.route.queue else 0.0
         try:  # its wait counts in `queued_ms` with the local one (see `take_slot`)
             token = await fw.fleet_slot(ex.host, key, parallel, wait, gone)
         except BaseException:
-            self.limiter.release(ticket)
+            self._release(ticket)
             raise
         if token is None:
-            self.limiter.release(ticket)
+            self._release(ticket)
             raise QueueFull(self.limiter.retry_after(ex.host, key))
 
         def release(held: Ticket) -> None:
-            self.limiter.release(held)
+            self._release(held)
             fw.release(token)
 
         return release
+
+    def _stop_waiting(self, where: tuple[str, str], ex: Exchange) -> None:
+        waiting = self._waiting.get(where)
+        if waiting is not None:
+            waiting.pop(ex, None)
+            if not waiting:
+                del self._waiting[where]
+
+    def _release(self, ticket: Ticket) -> None:
+        """Give a slot back; with requests queued somewhere, each may now yield (soon, once)."""
+        self.limiter.release(ticket)
+        if self._waiting and not self._rebalance_due:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._rebalance_due = True
+            loop.call_soon(self._rebalance)
+
+    def _rebalance(self) -> None:
+        """A slot freed: a queued turn that has not yielded yet leaves its queue when placement
+        (with the requests ahead of it) now says it yields; it then takes its slot elsewhere."""
+        self._rebalance_due = False
+        targets: set[str] = set()  # one move to a host per pass: the snapshot does not see it yet
+        for (host, _), waiting in list(self._waiting.items()):
+            for ahead, (ex, ticket) in enumerate(list(waiting.items())):
+                placed = self._yield_placement(ex, host, ahead)
+                if placed is None or placed.host in targets:
+                    continue
+                if not self.limiter.withdraw(ticket, Yielded(placed)):
+                    continue
+                ex.yielded = True
+                targets.add(placed.host)
+                log.info("%s/%s queued on %s yields to %s", ex.key.route, ex.model, host, placed.host)
+
+    def _yield_placement(self, ex: Exchange, host: str, ahead: int) -> Placement | None:
+        if ex.yielded or ex.decision == Decision.YIELD or ex.excluded or self.yield_factor(ex.route) <= 0:
+            return None
+        result = self._place_once(ex, Reason.UNHEALTHY, {host: ahead})
+        return result if isinstance(result, Placement) and result.decision == Decision.YIELD else None
 
     async def _take_then_settle(self, ex: Exchange, placed: Placement, gone: asyncio.Event | None) -> None:
         """Take the slot on the placed host, then apply the lease change. When no slot can be had
@@ -409,6 +506,31 @@ class Router:
             ex.host = placed.host
         ex.decision = Decision.RETRIED
         log.warning("%s on %s: moved %s/%s to %s", why, failed, ex.key.route, ex.model, ex.host)
+
+    def sent(self, ex: Exchange) -> None:
+        """The request goes upstream to its host now (again, after a move): it counts as running
+        there for the load estimates and the busy meter until it ends (or is sent elsewhere)."""
+        if not ex.completion:
+            return
+        if ex.sent_to is None:
+            ex.on_end(lambda: self._unsent(ex))
+        else:
+            self._unsent(ex)
+        where = (ex.host, self.fleet.slot_key(ex.host, ex.model))
+        self._upstream.setdefault(where, {})[ex] = time.monotonic()
+        ex.sent_to = where
+        self.meter.start(ex.host)
+
+    def _unsent(self, ex: Exchange) -> None:
+        where, ex.sent_to = ex.sent_to, None
+        if where is None:
+            return
+        running = self._upstream.get(where)
+        if running is not None:
+            running.pop(ex, None)
+            if not running:
+                del self._upstream[where]
+        self.meter.end(where[0])
 
     def passive_mark(self, host: str, reason: str) -> None:
         if self.fleet.mark_down(host, reason):
@@ -477,6 +599,7 @@ class Router:
         if u is None:
             return
         self.estimator.learn(host, ex.model, ex.path, ex.prompt_bytes, u.prompt_tokens)
+        self._learn_rates(ex, host, u)
         if u.dropped:
             log.warning("%s reported %d usage figure(s) out of range; stored as unknown", host, u.dropped)
             self.metrics.usage_dropped.labels(host).inc(u.dropped)
@@ -486,6 +609,13 @@ class Router:
                 self.metrics.tokens.labels(route, host, kind).inc(value)
         if u.tokens_per_second:
             self.metrics.generation_tps.labels(host, self.model_label(ex.model)).observe(u.tokens_per_second)
+
+    def _learn_rates(self, ex: Exchange, host: str, u: Usage) -> None:
+        """Teach the rate learner what the reply's timings say (figures already range-checked)."""
+        figures = {"prompt_n": u.prompt_n, "prompt_ms": u.prompt_ms, "cache_n": u.cached_tokens,
+                   "predicted_n": u.completion_tokens, "predicted_ms": u.predicted_ms}
+        self.learner.observe(host, ex.model, {k: v for k, v in figures.items() if v is not None},
+                             conversation=ex.key)
 
     def route_label(self, route: RouteConf) -> str:
         """A route made from a template is labelled by its template: labels come from the

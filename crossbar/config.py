@@ -143,9 +143,9 @@ class Config:
         return 2 * self.max_body + MIB
 
 
-# Features parsed and validated now but refused by `check_supported` until they work.
-# Later work removes a name here once its feature is implemented.
-NOT_YET_SUPPORTED: set[str] = {"yield_factor"}
+# Features parsed and validated now but refused by `check_supported` until they work (none now;
+# the mechanism stays for the next such feature).
+NOT_YET_SUPPORTED: set[str] = set()
 
 IDENTITIES = ("off", "tailscale", "header")
 AFFINITIES = ("conversation", "route")

@@ -58,6 +58,7 @@ code { font: 12px ui-monospace, SFMono-Regular, Menlo, monospace; }
 .up { color: var(--ok); } .up .dot { background: var(--ok); }
 .down { color: var(--bad); } .down .dot { background: var(--bad); }
 .drain { color: var(--warn); } .drain .dot { background: var(--warn); }
+tr[data-event="yield"] td:last-child { color: var(--warn); font-weight: 600; }
 .tag { display: inline-block; padding: 0 6px; margin: 0 4px 2px 0; border-radius: 4px;
   border: 1px solid var(--line); font-size: 12px; }
 .dim { color: var(--dim); }
@@ -200,6 +201,9 @@ function renderCards(d) {
     cards.push(card(num(hs.reduce((n, h) => n + (h.queued || 0), 0)), "queued"));
   }
   if (d.leases !== undefined) cards.push(card(num(d.leases), "leases"));
+  if (d.events) {
+    cards.push(card(num(d.events.filter(e => e.reason === "yield").length), "yields, last moves"));
+  }
   if (d.usage) {
     const sum = k => d.usage.reduce((n, u) => n + (u[k] || 0), 0);
     const prompt = sum("prompt_tokens");

@@ -17,6 +17,7 @@ class Decision(StrEnum):
     IDLE = "moved:idle"  # the lease had been idle longer than `lease_idle`: placed anew
     CONTEXT = "moved:context"  # the prompt does not fit the lease's host: moved where it fits
     RETRIED = "retried"  # re-placed after its host failed it (refused, 5xx) before any byte
+    YIELD = "moved:yield"  # its host was busy: waiting cost more than re-prefilling elsewhere
 
 
 class Reason(StrEnum):
@@ -33,6 +34,7 @@ class Reason(StrEnum):
     EVICTED = "evicted"  # the lease table was full: the oldest idle lease made room
     HOST_REMOVED = "host_removed"  # a reload took the lease's host out of the configuration
     ROUTE_CHANGED = "route_changed"  # a reload took the host out of the lease's route, or the route
+    YIELD = "yield"  # a turn left its busy host where the wait outweighed re-prefilling elsewhere
 
 
 # reasons that change where a conversation lives (a drain only records; nothing moves)

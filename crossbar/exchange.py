@@ -48,6 +48,8 @@ class Exchange:
     excluded: set[str] = field(default_factory=set)  # hosts that failed this request
     checked: tuple[str, int] | None = None  # upstream address the pre-flight just found open
     forwarded: bool = False  # rewritten to a host (else mitmproxy's errors are not the host's)
+    sent_to: tuple[str, str] | None = None  # (host, slot key) it runs on upstream, while it runs
+    yielded: bool = False  # left a queue to yield elsewhere (a turn yields at most once)
     finished: bool = False
     deadline: asyncio.TimerHandle | None = None  # first-byte timeout
     _release_ticket: Callable[[Ticket], None] | None = field(default=None, repr=False)

@@ -102,6 +102,15 @@ class RateLearner:
         self._by_model: dict[str, dict[str, _PairStats]] = {}  # the same entries, by model then host
         self._conversations: OrderedDict[Hashable, _Conversation] = OrderedDict()
 
+    def forget(self, host: str) -> None:
+        """Drop what was learned about `host` (it left the configuration, or its address changed)."""
+        for model, hosts in list(self._by_model.items()):
+            hosts.pop(host, None)
+            if not hosts:
+                del self._by_model[model]
+        for pair in [p for p in self._pairs if p[0] == host]:
+            del self._pairs[pair]
+
     def observe(self, host: str, model: str, timings: Mapping[str, Any],
                 conversation: Hashable | None = None) -> None:
         """Learn from one finished reply's `timings` object; `conversation` is its lease key.
@@ -211,6 +220,9 @@ class BusyMeter:
     def end(self, host: str) -> None:
         state = self._advance(host)
         state.running = max(state.running - 1, 0)
+
+    def forget(self, host: str) -> None:
+        self._hosts.pop(host, None)
 
     def busy(self, host: str) -> float:
         state = self._hosts.get(host)

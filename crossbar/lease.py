@@ -105,6 +105,8 @@ class LeaseTable:
         self._by_route: dict[str, OrderedDict[Key, Lease]] = {}
         # (route, model) → how many leases each host holds; model None counts every model
         self._hosts_of: dict[tuple[str, str | None], Counter[str]] = {}
+        # host → how many leases it holds (every route and model): kept as leases come and go
+        self._on_host: Counter[str] = Counter()
         self._pins: dict[str, str] = {}
         self._held: Counter[Key] = Counter()
         # conversations whose lease idled out, and the host it was on (bounded like the table):
@@ -125,6 +127,7 @@ class LeaseTable:
         self._leases.clear()
         self._by_route.clear()
         self._hosts_of.clear()
+        self._on_host.clear()
         self._pins = {row.route: row.host for row in rows if _is_pin_row(row)}
         for row in rows:
             if not _is_pin_row(row):
@@ -356,6 +359,11 @@ class LeaseTable:
         """Routes that hold leases."""
         return list(self._by_route)
 
+    def active_on(self, host: str) -> int:
+        """Conversations leased to `host`: each was used within `idle` seconds, since the idle
+        sweep drops the others (or is in use). Counted as leases come and go, never scanned."""
+        return self._on_host.get(host, 0)
+
     def hosts_count(self, route: str) -> dict[str, int]:
         """How many of the route's leases each host holds."""
         return dict(self._hosts_of.get((route, None), {}))
@@ -371,6 +379,7 @@ class LeaseTable:
         self._by_route.setdefault(key.route, OrderedDict())[key] = lease
         for model in (key.model, None):
             self._hosts_of.setdefault((key.route, model), Counter())[lease.host] += 1
+        self._on_host[lease.host] += 1
 
     def _remove(self, lease: Lease) -> None:
         key = lease.key
@@ -386,6 +395,9 @@ class LeaseTable:
                 del counts[lease.host]
             if not counts:
                 del self._hosts_of[(key.route, model)]
+        self._on_host[lease.host] -= 1
+        if self._on_host[lease.host] <= 0:
+            del self._on_host[lease.host]
 
     def _replace(self, lease: Lease) -> None:
         old = self._leases.get(lease.key)

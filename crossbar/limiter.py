@@ -75,13 +75,15 @@ class Limiter:
         self._slots: dict[tuple[str, str], _Slot] = {}
 
     async def acquire(
-        self, host: str, model: str, gone: asyncio.Event | None = None, *, hold: bool = True
+        self, host: str, model: str, gone: asyncio.Event | None = None, *, hold: bool = True,
+        ticket: Ticket | None = None,
     ) -> Ticket:
-        """A slot on (host, model): at once, after a FIFO wait, or QueueFull / ClientGone."""
+        """A slot on (host, model): at once, after a FIFO wait, or QueueFull / ClientGone (or the
+        exception `withdraw` gave). `ticket`: the caller's own, to name the wait to `withdraw`."""
         if gone is not None and gone.is_set():
             raise ClientGone
         slot = self._slot(host, model)
-        ticket = Ticket(host, model, held=hold)
+        ticket = Ticket(host, model, held=hold) if ticket is None else ticket
         if not hold:
             self._grant(slot, ticket, self._clock())
             return ticket
@@ -104,6 +106,18 @@ class Limiter:
         slot = self._slot(ticket.host, ticket.model)
         self._observe(slot, self._clock() - ticket.granted_at)
         self._free(ticket.host, ticket.model, slot)
+
+    def withdraw(self, ticket: Ticket, reason: Exception) -> bool:
+        """Take a waiting ticket out of its queue: its `acquire` raises `reason`. False when it is
+        not waiting (granted already, or gone)."""
+        slot = self._slots.get((ticket.host, ticket.model))
+        waiter = next((w for w in slot.waiters if w.ticket is ticket), None) if slot else None
+        if slot is None or waiter is None or waiter.future.done():
+            return False
+        slot.waiters.remove(waiter)
+        ticket.queued_s = self._clock() - waiter.enqueued
+        waiter.future.set_exception(reason)
+        return True
 
     def refresh(self) -> None:
         """Admit waiters that a capacity increase (learned since the last admission) now allows."""

@@ -11,6 +11,8 @@ The rules, in order:
   pin        a pinned route goes to its pin; a pinned host that is down is refused, never moved
   read       a GET pass-through follows the route's leases for the model; it creates no lease
   reuse      an existing lease stays while its host is usable and the prompt fits there
+  yield      ... unless its host has no free slot and waiting there would cost more than
+             re-prefilling on another host (`crossbar.yieldpolicy`, by `Ask.yield_factor`)
   move       otherwise it moves to an open host (reason: unhealthy, retried or context)
   idle       a lease idle longer than `lease_idle` (nothing in flight or queued) is placed anew,
              also when the idle sweep already dropped it
@@ -27,6 +29,7 @@ from enum import StrEnum
 from crossbar.choose import Candidate, Choice, choose
 from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.guard import fits
+from crossbar.yieldpolicy import HostLoad, Move, decide
 
 Pick = Callable[[Sequence[Candidate]], Choice | None]
 
@@ -75,6 +78,7 @@ class Ask:
     tokens: int = 0  # estimated prompt tokens (0 = not estimated)
     excluded: frozenset[str] = frozenset()  # hosts that already failed this request
     why: Reason = Reason.UNHEALTHY  # why a lease that cannot stay moves: unhealthy | retried
+    yield_factor: float = 0.0  # a turn leaves its busy host when wait > factor x move cost; 0: never
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,9 @@ class Snapshot:
     ctx: Mapping[str, int]  # per-slot context for the model per host (0 = unknown)
     known: bool = True  # some host of the route lists or reports the model
     tokens: Mapping[str, int] | None = None  # per-host prompt estimate (learned); None: `Ask.tokens`
+    # per host, the work it holds and its learned rates as this conversation's turn sees them
+    # (read only when the lease's host has no free slot); None: no yield
+    loads: Mapping[str, HostLoad] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +129,11 @@ class _Fleet:
         """Can `host` take a new conversation? Usable and not draining."""
         return self.usable(host) and not self.by_name[host].draining
 
+    def tokens(self, host: str) -> int:
+        return self.ask.tokens if self.snap.tokens is None else self.snap.tokens.get(host, self.ask.tokens)
+
     def fits(self, host: str) -> bool:
-        tokens = self.ask.tokens if self.snap.tokens is None else self.snap.tokens.get(host, self.ask.tokens)
-        return fits(tokens, self.snap.ctx.get(host, 0))
+        return fits(self.tokens(host), self.snap.ctx.get(host, 0))
 
     def serves(self, host: str) -> bool:
         c = self.by_name.get(host) if host in self.ask.hosts else None
@@ -200,7 +209,8 @@ def _read(fleet: _Fleet, lease: LeaseView, pick: Pick) -> Placement | Refusal:
 def _existing(fleet: _Fleet, lease: LeaseView, pick: Pick) -> Placement | Refusal:
     ask = fleet.ask
     if fleet.usable(lease.host) and fleet.fits(lease.host):
-        return Placement(lease.host, Decision.REUSED, LeaseChange(Change.USE, lease.host))
+        return _yielded(fleet, lease.host) or Placement(lease.host, Decision.REUSED,
+                                                         LeaseChange(Change.USE, lease.host))
     context = fleet.usable(lease.host)  # usable but too small: the context guard moves it
     found = _new_host(fleet, pick, avoid=lease.host)
     if isinstance(found, Refusal):
@@ -221,6 +231,20 @@ def _inheritable(fleet: _Fleet, parent: str) -> bool:
     one key-less request (an embeddings call, a system-only chat) never stacks every new
     conversation of the route on one host."""
     return fleet.open(parent) and fleet.fits(parent) and fleet.by_name[parent].free_slots > 0
+
+
+def _yielded(fleet: _Fleet, home: str) -> Placement | None:
+    """The lease's host has no free slot for the turn: a move to where waiting plus re-prefilling
+    costs less (by the factor), or None to stay. Targets are open hosts with the model loaded
+    where the prompt fits; a request already re-placed after a failure never yields."""
+    ask, loads = fleet.ask, fleet.snap.loads
+    if ask.yield_factor <= 0 or loads is None or ask.excluded or fleet.by_name[home].free_slots > 0:
+        return None
+    others = [loads[c.name] for c in fleet.open_candidates(home) if c.loaded and fleet.fits(c.name)]
+    verdict = decide(fleet.tokens(home), loads[home], others, ask.yield_factor)
+    if not isinstance(verdict, Move):
+        return None
+    return Placement(verdict.host, Decision.YIELD, LeaseChange(Change.MOVE, verdict.host, home, Reason.YIELD))
 
 
 def _new_host(fleet: _Fleet, pick: Pick, avoid: str) -> tuple[str, bool] | Refusal:

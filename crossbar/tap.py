@@ -40,6 +40,8 @@ class Usage:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     predicted_ms: float | None = None
+    prompt_n: int | None = None  # prompt tokens the host evaluated (the uncached part)
+    prompt_ms: float | None = None  # time it took to evaluate them
     dropped: int = field(default=0, compare=False)  # out-of-range figures (stored as None)
 
     @property
@@ -113,7 +115,8 @@ def usage_from_object(obj: Mapping[str, Any]) -> Usage | None:
         fig.dropped += 1  # a generation time too short for its tokens: not believed
         predicted_ms = None
     return Usage(prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
-                 predicted_ms=predicted_ms, dropped=fig.dropped)
+                 predicted_ms=predicted_ms, prompt_n=prompt_n, prompt_ms=fig.millis(timings.get("prompt_ms")),
+                 dropped=fig.dropped)
 
 
 def merge(a: Usage | None, b: Usage | None) -> Usage | None:

@@ -289,8 +289,13 @@ async def test_twenty_sessions_five_turns_concurrently_nothing_lost(tmp_path: Pa
     assert everything.cached > 0
     assert total(told_of(row) for row in hosts.values()) == everything
     assert sum(row["requests"] for row in hosts.values()) == sessions * turns
-    assert {k: v["requests"] for k, v in decisions.items()} == {"new": sessions,
-                                                               "reused": sessions * (turns - 1)}
+    # a turn queued on its full host may yield to another (short contexts are cheap to re-prefill),
+    # a session's first turn too
+    placed = {k: v["requests"] for k, v in decisions.items()}
+    new, yielded = placed.pop("new"), placed.pop("moved:yield", 0)
+    assert sessions - yielded <= new <= sessions
+    assert new + placed.pop("reused") + yielded == sessions * turns
+    assert placed == {}
     assert summed(metrics, "crossbar_requests_total", status="200") == sessions * turns
     for kind, figure in (("prompt", everything.prompt), ("cached", everything.cached),
                          ("completion", everything.completion)):

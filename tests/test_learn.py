@@ -179,3 +179,12 @@ def test_rates_from_counts_and_milliseconds_when_per_second_is_absent() -> None:
     other = RateLearner(Clock())
     other.observe("b", "m", {"prompt_n": 2_000, "prompt_ms": 0.0, "predicted_n": 500, "predicted_ms": "x"})
     assert (other.rates("b", "m").prefill_tps, other.rates("b", "m").gen_tps) == (0.0, 0.0)
+
+
+def test_a_forgotten_host_is_learned_afresh() -> None:
+    learner = RateLearner(Clock())
+    learner.observe("a", "m", timings())
+    learner.observe("b", "m", timings())
+    learner.forget("a")
+    assert learner.rates("b", "m") == Rates(pytest.approx(20_000.0), pytest.approx(1_000.0), 500.0, 2_000.0)
+    assert learner.rates("a", "m") == learner.rates("z", "m")  # no more than any host never seen

@@ -645,3 +645,19 @@ def test_the_asking_request_does_not_keep_its_own_lease_from_idling(w: World) ->
     assert w.table.view(K1).busy
     w.table.hold(K1)  # and another turn of it in flight
     assert w.table.view(K1, own=True).busy
+
+
+def test_active_on_counts_each_hosts_leases_as_they_come_and_go(w: World) -> None:
+    w.acquire(K1, 100.0)
+    w.acquire(K2, 100.0)
+    w.acquire(ROUTE_KEY, 100.0)
+    assert [w.table.active_on(h) for h in HOSTS] == [3, 0, 0]
+    w.hosts.down.add("alpha")
+    w.acquire(K1, 200.0)  # moves to beta
+    assert [w.table.active_on(h) for h in HOSTS] == [2, 1, 0]
+    w.table.expire_idle(100.0 + IDLE_S + 1)  # K2 and the route lease idled out; K1 was used at 200
+    assert [w.table.active_on(h) for h in HOSTS] == [0, 1, 0]
+    w.table.release(R, 300.0)
+    assert [w.table.active_on(h) for h in HOSTS] == [0, 0, 0]
+    w.table.load([Row(R, fp, M, "gamma", "active", 1.0, 2.0) for fp in ("fp1", "fp2")])
+    assert [w.table.active_on(h) for h in HOSTS] == [0, 0, 2]

@@ -169,7 +169,9 @@ async def test_a_hook_that_raises_never_leaks_the_slot(tmp_path: Path) -> None:
 
 
 async def test_a_slots_reading_taken_while_our_requests_ran_is_corrected(tmp_path: Path) -> None:
-    specs = {"a": spec(parallel=2, weight=2.0, n_slots=2, token_ms=60), "b": spec(parallel=2, n_slots=2)}
+    # a outweighs b even holding one request, so both go to a
+    specs = {"a": spec(parallel=2, weight=2.0, n_slots=2, token_ms=60),
+             "b": spec(parallel=2, weight=0.5, n_slots=2)}
     async with fleet_with_route(tmp_path, specs, poll_interval="60s") as (fleet, proxy):
         running = [asyncio.create_task(post(proxy.url + CHAT, turn(f"s{i}", 0, max_tokens=20)))
                    for i in range(2)]

@@ -330,3 +330,27 @@ async def test_retry_after_learns_hold_times() -> None:
         ticket = await r.limiter.acquire(H, M)
         r.limiter.release(ticket)
     assert r.limiter.retry_after(H, M) == 1  # near-zero holds still give at least 1 s
+
+
+class Moved(Exception):
+    pass
+
+
+async def test_a_withdrawn_waiter_leaves_the_queue_with_the_given_reason() -> None:
+    r = rig()
+    holder = await r.limiter.acquire(H, M)
+    mine = Ticket(H, M)
+    waiting = asyncio.ensure_future(r.limiter.acquire(H, M, ticket=mine))
+    r.spawn("behind")
+    await settle()
+    r.clock.now += 2.5
+    assert r.limiter.withdraw(mine, Moved()) is True
+    with pytest.raises(Moved):
+        await waiting
+    assert mine.queued_s == 2.5
+    assert r.limiter.queued(H, M) == 1 and r.limiter.in_flight(H, M) == 1
+    assert r.limiter.withdraw(mine, Moved()) is False  # no longer waiting
+    r.limiter.release(holder)
+    await settle()
+    assert r.admitted == ["behind"]  # the one behind moved up; nothing was granted twice
+    assert r.limiter.withdraw(r.tickets["behind"], Moved()) is False  # granted already

@@ -14,6 +14,7 @@ import pytest
 from crossbar.choose import Candidate
 from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.placement import Ask, Change, LeaseChange, LeaseView, Placement, Refusal, Snapshot, place
+from crossbar.yieldpolicy import YIELD, HostLoad, Rates, Running
 
 HOSTS = ("a", "b", "c")
 NOW = 10_000.0
@@ -43,15 +44,17 @@ class Case:
     excluded: frozenset[str] = frozenset()
     why: Reason = Reason.UNHEALTHY
     known: bool = True
+    yield_factor: float = 0.0
+    loads: dict[str, HostLoad] | None = None
 
 
 def run(case: Case) -> Placement | Refusal:
     snap = Snapshot(
         {n: Candidate(n, h.healthy, h.draining, h.loaded, h.listed, h.free, 1.0, 0, i)
          for i, (n, h) in enumerate(case.hosts.items())},
-        {n: h.ctx for n, h in case.hosts.items()}, case.known)
+        {n: h.ctx for n, h in case.hosts.items()}, case.known, loads=case.loads)
     ask = Ask("r", case.model, tuple(case.hosts), fp=case.fp, read=case.read, tokens=case.tokens,
-              excluded=case.excluded, why=case.why)
+              excluded=case.excluded, why=case.why, yield_factor=case.yield_factor)
     return place(ask, snap, case.lease, NOW, IDLE)
 
 
@@ -60,6 +63,22 @@ def fleet(**changes: H) -> dict[str, H]:
 
 
 LIVE = LeaseView(host="a", last_used=NOW - 1)
+
+# Lease yield: 20k tok/s prefill, 1k tok/s generation. Host a runs a 5,000-token reply that just
+# started (5 s left); the turn's 10,000-token prompt is cached on a, so moving costs 0.5 s of
+# prefill (charged twice) on an idle host: the wait far exceeds 2 x 1 s.
+RATES = Rates(prefill_tps=20_000, gen_tps=1_000, reply_tokens=500, prefill_tokens=1_000)
+LONG_REPLY = (Running(elapsed_s=0.0, reply_tokens=5_000),)
+
+
+def loads(rates: Rates = RATES, a_running: tuple[Running, ...] = LONG_REPLY) -> dict[str, HostLoad]:
+    return {"a": HostLoad("a", 1, rates, a_running, cached_tokens=10_000),
+            "b": HostLoad("b", 1, rates), "c": HostLoad("c", 1, rates, LONG_REPLY)}
+
+
+BUSY_A = fleet(a=H(free=0), c=H(free=0))
+YIELDING = Case(hosts=BUSY_A, lease=LIVE, tokens=10_000, yield_factor=2.0, loads=loads())
+STAY_A = Placement("a", Decision.REUSED, LeaseChange(Change.USE, "a"))
 
 P = Placement
 CREATE_B = LeaseChange(Change.CREATE, "b")
@@ -85,6 +104,21 @@ CASES: dict[str, tuple[Case, Placement | Refusal]] = {
     "retry with every other host excluded or down → no host": (
         Case(hosts=fleet(c=H(healthy=False)), lease=LIVE, excluded=frozenset({"a", "b"})),
         Refusal(Rejection.NO_HOST, "route 'r': no usable host for model 'm'", wake=("c",))),
+    "busy lease host, wait >> re-prefill → yields to the idle host": (
+        YIELDING, P("b", Decision.YIELD, LeaseChange(Change.MOVE, "b", "a", Reason.YIELD))),
+    "busy lease host, rates not learned → stays": (replace(YIELDING, loads=loads(Rates(0, 0))), STAY_A),
+    "busy lease host, short wait → stays": (
+        replace(YIELDING, loads=loads(a_running=(Running(elapsed_s=0.0, reply_tokens=1_500),))), STAY_A),
+    "lease host has a free slot → never yields": (replace(YIELDING, hosts=fleet(c=H(free=0))), STAY_A),
+    "yield factor 0 (off, or the route opts out) → stays": (replace(YIELDING, yield_factor=0.0), STAY_A),
+    "a larger factor than the gain → stays": (replace(YIELDING, yield_factor=6.0), STAY_A),
+    "pinned route never yields": (
+        replace(YIELDING, lease=replace(LIVE, pin="a")),
+        P("a", Decision.PINNED, LeaseChange(Change.USE, "a"))),
+    "no yield to a draining or unloaded host": (
+        replace(YIELDING, hosts=fleet(a=H(free=0), b=H(draining=True), c=H(loaded=False))), STAY_A),
+    "no yield for a request re-placed after a failure": (
+        replace(YIELDING, excluded=frozenset({"c"})), STAY_A),
     "draining host keeps its lease": (
         Case(hosts=fleet(a=H(draining=True)), lease=LIVE),
         P("a", Decision.REUSED, LeaseChange(Change.USE, "a"))),
@@ -163,3 +197,7 @@ def test_no_change_on_a_refusal_or_a_read() -> None:
     for case, expected in CASES.values():
         if case.read and isinstance(expected, Placement):
             assert expected.change.kind == Change.NONE
+
+
+def test_the_yield_reason_is_the_policys_word() -> None:
+    assert str(Reason.YIELD) == YIELD and str(Decision.YIELD) == f"moved:{YIELD}"

@@ -22,14 +22,14 @@ def _body(name: str) -> bytes:
 
 STREAMS: dict[str, tuple[Usage, str]] = {
     # no stream_options: timings on the finish chunk only
-    "single/chat_stream.txt": (Usage(31, 30, 8, 0.745), "length"),
+    "single/chat_stream.txt": (Usage(31, 30, 8, 0.745, 1, 0.175), "length"),
     # include_usage: an extra choices:[] chunk with usage + timings
-    "single/chat_stream_usage.txt": (Usage(31, 30, 8, 0.739), "length"),
-    "router/chat_model0_stream_usage.txt": (Usage(24, 23, 8, 2.145), "length"),
+    "single/chat_stream_usage.txt": (Usage(31, 30, 8, 0.739, 1, 0.124), "length"),
+    "router/chat_model0_stream_usage.txt": (Usage(24, 23, 8, 2.145, 1, 0.505), "length"),
 }
 BODIES: dict[str, Usage] = {
-    "single/chat_nonstream.txt": Usage(31, 30, 16, 1.03),
-    "single/cache_run2.txt": Usage(1219, 1218, 4, 1.336),
+    "single/chat_nonstream.txt": Usage(31, 30, 16, 1.03, 1, 0.25),
+    "single/cache_run2.txt": Usage(1219, 1218, 4, 1.336, 1, 0.683),
 }
 
 
@@ -129,7 +129,7 @@ def test_recorded_stream_cut() -> None:
 
     tap, _ = _replay([data[: data.index(b"data: [DONE]")]], end=False)
     assert not tap.done and not tap.saw_done_marker
-    assert tap.usage == Usage(31, 30, 8, 0.739)
+    assert tap.usage == Usage(31, 30, 8, 0.739, 1, 0.124)
 
 
 # ---------------------------------------------------------------- synthetic streams
@@ -179,7 +179,7 @@ def test_later_figures_win() -> None:
         {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 4}},
     )
     tap, _ = _replay([data])
-    assert tap.usage == Usage(prompt_tokens=10, cached_tokens=1, completion_tokens=4)
+    assert tap.usage == Usage(prompt_tokens=10, cached_tokens=1, completion_tokens=4, prompt_n=2)
 
 
 @pytest.mark.parametrize(
@@ -276,11 +276,12 @@ def test_first_chunk_clock() -> None:
         ({"usage": {}}, Usage()),
         ({"timings": {}}, Usage()),
         (
-            {"timings": {"cache_n": 30, "prompt_n": 1, "predicted_n": 8, "predicted_ms": 0.745}},
-            Usage(31, 30, 8, 0.745),
+            {"timings": {"cache_n": 30, "prompt_n": 1, "predicted_n": 8, "predicted_ms": 0.745,
+                         "prompt_ms": 0.175}},
+            Usage(31, 30, 8, 0.745, 1, 0.175),
         ),
-        ({"timings": {"prompt_n": 5}}, Usage()),  # prompt_n alone is not the whole prompt
-        ({"timings": {"cache_n": 0, "prompt_n": 5}}, Usage(prompt_tokens=5, cached_tokens=0)),
+        ({"timings": {"prompt_n": 5}}, Usage(prompt_n=5)),  # prompt_n alone is not the whole prompt
+        ({"timings": {"cache_n": 0, "prompt_n": 5}}, Usage(prompt_tokens=5, cached_tokens=0, prompt_n=5)),
         (
             {
                 "usage": {
@@ -296,7 +297,7 @@ def test_first_chunk_clock() -> None:
                 "usage": {"prompt_tokens": 40, "completion_tokens": 9},
                 "timings": {"cache_n": 1, "prompt_n": 2},
             },
-            Usage(40, 1, 9, None),
+            Usage(40, 1, 9, None, 2),
         ),
         ({"usage": {"prompt_tokens": 0, "completion_tokens": 0}}, Usage(0, None, 0, None)),
         (
@@ -309,6 +310,7 @@ def test_first_chunk_clock() -> None:
         ({"timings": {"predicted_ms": float("nan")}}, Usage()),
         ({"timings": {"predicted_ms": -1.0}}, Usage()),
         ({"timings": {"predicted_ms": False}}, Usage()),
+        ({"timings": {"prompt_n": 300, "prompt_ms": 15.0}}, Usage(prompt_n=300, prompt_ms=15.0)),
     ],
 )
 def test_usage_from_object(obj: dict[str, Any], expected: Usage | None) -> None:
@@ -374,7 +376,8 @@ def test_tokens_per_second(usage: Usage, expected: float | None) -> None:
         ({"usage": {"prompt_tokens": 2**70, "completion_tokens": 3}}, Usage(None, None, 3, None), 1),
         ({"usage": {"prompt_tokens": 5, "completion_tokens": 1e308}}, Usage(5, None, None, None), 1),
         ({"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 6}}}, Usage(5), 1),
-        ({"timings": {"prompt_n": 1, "cache_n": -3, "predicted_ms": 1e300}}, Usage(), 2),
+        ({"timings": {"prompt_n": 1, "cache_n": -3, "predicted_ms": 1e300}}, Usage(prompt_n=1), 2),
+        ({"timings": {"prompt_n": 2**40, "prompt_ms": -1.0}}, Usage(), 2),
         ({"usage": {"prompt_tokens": 10**8, "completion_tokens": 0}}, Usage(10**8, None, 0), 0),
     ],
 )
@@ -403,13 +406,13 @@ def test_large_reply_usage_from_its_tail() -> None:
     body = _large_chat_reply(fake * 30_000)
     assert len(body) > 2 * 1024 * 1024
     assert usage_from_body(body) == Usage(prompt_tokens=7, cached_tokens=4, completion_tokens=5,
-                                          predicted_ms=10.0)
+                                          predicted_ms=10.0, prompt_n=3)
 
 
 def test_large_reply_is_not_parsed_whole() -> None:
     body = bytearray(_large_chat_reply("x" * 1_000_000))
     body[500_000:500_001] = b"\x00"  # not JSON any more, yet the tail still tells the usage
-    assert usage_from_body(bytes(body)) == Usage(7, 4, 5, 10.0)
+    assert usage_from_body(bytes(body)) == Usage(7, 4, 5, 10.0, 3)
 
 
 def test_large_embeddings_reply_usage_from_its_head() -> None:

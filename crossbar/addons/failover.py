@@ -95,6 +95,7 @@ class Failover:
         r.path = conf.base_path + ex.path
         r.authority = ""
         ex.forwarded = True
+        router.sent(ex)
         ex.arm_deadline(router.cfg.first_byte_timeout, lambda host: self._first_byte_overdue(flow, host))
 
     def _first_byte_overdue(self, flow: http.HTTPFlow, host: str) -> None:
@@ -193,6 +194,7 @@ class Failover:
             ex.err = f"upstream answered {status}; the client left before a retry"
             return
         ex.retried = True
+        router.sent(ex)
         conf = router.host_conf(ex.host)
         retry = asyncio.ensure_future(resend(
             rt.session, flow.request.method, conf.base_url + ex.path,
