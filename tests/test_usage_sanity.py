@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import math
 import urllib.request
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
-from test_hostile_limits import CHAT, connect, head, rig
-from test_hung_host import POLL
+from test_hostile_limits import CHAT, connect, head, raw_upstream, rig
 
 from crossbar.tap import usage_from_body
 
@@ -27,28 +25,13 @@ def test_tokens_per_second_is_a_finite_figure_or_none() -> None:
     assert tps is None or (math.isfinite(tps) and tps < 1e7), tps
 
 
-@asynccontextmanager
-async def absurd_upstream() -> AsyncIterator[str]:
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with suppress(Exception):
-            while True:
-                request_head = await reader.readuntil(b"\r\n\r\n")
-                line = request_head.split(b"\r\n", 1)[0]
-                length = next((int(h.split(b":")[1]) for h in request_head.split(b"\r\n")
-                               if h.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
-                path = line.split(b" ")[1].split(b"?")[0]
-                body = ABSURD if line.startswith(b"POST") else POLL.get(path, b"{}")
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-                await writer.drain()
-        writer.close()
+def absurd_upstream() -> AbstractAsyncContextManager[str]:
+    async def complete(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(ABSURD), ABSURD))
+        await writer.drain()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+    return raw_upstream(complete)
 
 
 async def test_one_absurd_reply_does_not_make_the_tps_histogram_infinite(tmp_path: Path) -> None:
