@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import psycopg
 import pytest
 from harness import (
     HostSpec,
@@ -36,6 +37,7 @@ from harness import (
     wait_until,
     write_config,
 )
+from test_multi_pg import instances
 
 pytestmark = pytest.mark.real
 
@@ -262,17 +264,23 @@ def overflow_turn(i: int) -> dict[str, Any]:
             "messages": [{"role": "user", "content": f"{i} {session_id()} " + "z" * 2450}]}
 
 
+async def assert_two_at_once_overflow(srv: LlamaServer) -> None:
+    direct = await asyncio.gather(*(post(f"{srv.url}{CHAT}", overflow_turn(i), 120) for i in (1, 2)))
+    # measured on b11312: both concurrent turns fail, neither gets its answer
+    assert [s for s, _ in direct] == [500, 500], direct
+    assert all(b["error"]["message"] == CTX_EXCEEDED for _, b in direct), direct
+
+
+def parallel_1_config(path: Path, srv: LlamaServer, **top: Any) -> Path:
+    hosts = {"k": (srv.url, HostSpec({MODEL: {"parallel": 1}}))}
+    return write_config(path, hosts, {"r": {"hosts": ["k"], "default_model": MODEL}}, **top)
+
+
 async def test_unified_kv_overflow_direct_vs_through_crossbar_with_parallel_1(
         lab: Path, tmp_path: Path) -> None:
     with llama_servers(tmp_path, [single_args("-kvu")]) as (srv,):
-        direct = await asyncio.gather(*(post(f"{srv.url}{CHAT}", overflow_turn(i), 120) for i in (1, 2)))
-        # measured on b11312: both concurrent turns fail, neither gets its answer
-        assert [s for s, _ in direct] == [500, 500], direct
-        assert all(b["error"]["message"] == CTX_EXCEEDED for _, b in direct), direct
-
-        hosts = {"k": (srv.url, HostSpec({MODEL: {"parallel": 1}}))}
-        cfg = write_config(tmp_path / "kvu.toml", hosts, {"r": {"hosts": ["k"], "default_model": MODEL}})
-        async with crossbar_proxy(cfg) as proxy:
+        await assert_two_at_once_overflow(srv)
+        async with crossbar_proxy(parallel_1_config(tmp_path / "kvu.toml", srv)) as proxy:
             through = await asyncio.gather(*(post(f"{proxy.url}/r{CHAT}", overflow_turn(i), 120)
                                              for i in (3, 4)))
             assert [s for s, _ in through] == [200, 200], through
@@ -280,6 +288,33 @@ async def test_unified_kv_overflow_direct_vs_through_crossbar_with_parallel_1(
             rows = await request_rows(proxy)
         assert sorted(r.status for r in rows) == [200, 200]
         assert max(r.queued_ms for r in rows) > 0  # the second waited for the first, in crossbar
+
+
+def served_spans(db: str) -> list[tuple[float, float, float]]:
+    """(arrived, got its slot, ended), wall clock, of every answered `requests` row, every
+    instance's rows together, in the order they got their slot."""
+    with psycopg.connect(db) as conn:
+        rows = conn.execute("SELECT started, queued_ms, total_ms FROM requests WHERE status = 200"
+                            ).fetchall()
+    spans = [(t, t + queued / 1000, t + total / 1000) for t, queued, total in rows]
+    return sorted(spans, key=lambda span: span[1])
+
+
+async def test_parallel_1_through_two_instances_sharing_postgresql_keeps_the_unified_kv_from_overflowing(
+        lab: Path, tmp_path: Path, pg_url: str) -> None:
+    with llama_servers(tmp_path, [single_args("-kvu")]) as (srv,):
+        await assert_two_at_once_overflow(srv)
+        cfgs = [parallel_1_config(tmp_path / f"kvu{n}.toml", srv, db=pg_url) for n in (0, 1)]
+        async with instances(cfgs) as procs:
+            through = await asyncio.gather(*(post(f"http://127.0.0.1:{p.port}/r{CHAT}", overflow_turn(i), 120)
+                                             for i, p in enumerate(procs, start=3)))
+            assert [s for s, _ in through] == [200, 200], through
+            assert all(b["usage"]["completion_tokens"] == 1500 for _, b in through)
+            await wait_until(lambda: len(served_spans(pg_url)) == 2, timeout=10, interval=0.1,
+                             what="both instances' rows")
+        (_, _, first_ends), (second_arrived, second_runs, _) = served_spans(pg_url)
+        assert second_arrived < first_ends  # they were sent together …
+        assert second_runs >= first_ends - 0.05, served_spans(pg_url)  # … and ran one after the other
 
 
 # ---------------------------------------------------------------- a host dies mid-stream
