@@ -315,7 +315,13 @@ def bare_mitmdump_cmd(listeners: dict[int, int], crossbar_config: Path) -> list[
              for arg in ("--mode", f"reverse:http://{LOOPBACK}:{upstream}@{LOOPBACK}:{port}")]
     options = mitmproxy_options(load_config(crossbar_config))
     return [MITMDUMP, *modes, "-s", str(ROOT / "bench" / "stream_responses.py"), *LOG_OPTIONS,
-            *(arg for name, value in options.items() for arg in ("--set", f"{name}={value}"))]
+            *(arg for name, value in options.items() for arg in ("--set", option_arg(name, value)))]
+
+
+def option_arg(name: str, value: object) -> str:
+    """`name=value` as mitmproxy's `--set` parses it (booleans are `true`/`false`)."""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{name}={text}"
 
 
 def crossbar_cmd(config: Path) -> list[str]:
