@@ -1,4 +1,4 @@
-"""Load test (issue 6): many concurrent streaming sessions through crossbar for a set time.
+"""Load test: many concurrent streaming sessions through crossbar for a set time.
 
     .venv/bin/python bench/load.py [--seconds 30] [--sessions 64] [--hosts 3]
 

@@ -1148,12 +1148,15 @@ class SimServer:
         return json_response({"model": model, "object": "list",
                               "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "data": data})
 
-    async def _models_load(self, request: web.Request) -> web.StreamResponse:
+    async def _router_model(self, request: web.Request) -> Any:
+        """The model a router's load/unload call names; a single server has no such endpoint."""
         if not self.config.router:
-            return json_response({"error": {"message": "File Not Found", "type": "not_found_error",
-                                            "code": 404}}, status=404)
+            raise SimError(404, "File Not Found", "not_found_error")
         body = await self._read_json(request)
-        state = self.table.get(str(body.get("model", "")))
+        return self.table.get(str(body.get("model", "")))
+
+    async def _models_load(self, request: web.Request) -> web.StreamResponse:
+        state = await self._router_model(request)
         if state is None:
             raise SimError(404, "model is not found", "not_found_error")
         if state.running:
@@ -1163,11 +1166,7 @@ class SimServer:
         return json_response({"success": True})
 
     async def _models_unload(self, request: web.Request) -> web.StreamResponse:
-        if not self.config.router:
-            return json_response({"error": {"message": "File Not Found", "type": "not_found_error",
-                                            "code": 404}}, status=404)
-        body = await self._read_json(request)
-        state = self.table.get(str(body.get("model", "")))
+        state = await self._router_model(request)
         if state is None:
             raise invalid("model is not found")
         if not state.running:

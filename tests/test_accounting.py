@@ -1,4 +1,4 @@
-"""Accounting you can ask questions of (issue 4): `GET /_crossbar/usage` (shapes, `since`, `by`
+"""Accounting you can ask questions of: `GET /_crossbar/usage` (shapes, `since`, `by`
 including `decision`, per-host uptime), retention roll-ups while traffic flows, and nothing lost
 when many sessions run at once."""
 

@@ -1,4 +1,4 @@
-"""Real clients through crossbar (issue 6): the official OpenAI Python SDK, and replays of what
+"""Real clients through crossbar: the official OpenAI Python SDK, and replays of what
 OpenCode (Vercel AI SDK `@ai-sdk/openai-compatible`) and Hermes (OpenAI SDK) send, kept as JSON
 fixtures under `tests/fixtures/clients/` (request headers and body in those clients' shapes).
 

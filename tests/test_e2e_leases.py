@@ -1,4 +1,4 @@
-"""End to end: leases, placement, queueing and failover through the real proxy (issue 3)."""
+"""End to end: leases, placement, queueing and failover through the real proxy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""End to end: the real addon in a real mitmproxy in front of simulated llama-servers (issue 2).
+"""End to end: the real addon in a real mitmproxy in front of simulated llama-servers.
 
 Routing, pass-through of bodies and streams, accounting rows, cut streams, client disconnects,
 bad input, the admin basics and the `mitmdump` command itself.

@@ -1,4 +1,4 @@
-"""Issue 5 end to end: context guard, wake-on-LAN, identity, route listeners, admin listener —
+"""End to end: context guard, wake-on-LAN, identity, route listeners, admin listener —
 through the real addon in a real mitmproxy against simulated llama-servers."""
 
 from __future__ import annotations

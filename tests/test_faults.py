@@ -1,4 +1,4 @@
-"""Faults (issue 6): hosts that refuse, fail, hang or die mid-stream; crossbar itself killed with
+"""Faults: hosts that refuse, fail, hang or die mid-stream; crossbar itself killed with
 SIGKILL under traffic; a database that is locked, read-only or on a full disk.
 
 Failover of a lease on refuse / 5xx is in `test_e2e_leases.py`; this file covers what happens

@@ -1,4 +1,4 @@
-"""Graceful stop (issue 6), through the real command (`mitmdump -s addons/crossbar.py`): a stream in
+"""Graceful stop, through the real command (`mitmdump -s addons/crossbar.py`): a stream in
 flight at SIGTERM finishes with its `[DONE]`, new requests on open connections get a 503, the
 process exits 0 and the stream's accounting row is in the database; a second SIGTERM during a long
 drain exits at once.

@@ -1,4 +1,4 @@
-"""Hostile input (issue 6): malformed and hostile requests sent as raw bytes to crossbar running as
+"""Hostile input: malformed and hostile requests sent as raw bytes to crossbar running as
 `mitmdump -s addons/crossbar.py` (the real command) in front of a simulated llama-server.
 
 Every case must end in a clear 4xx (JSON when crossbar made it; mitmproxy's own 400 for protocol

@@ -1,4 +1,4 @@
-"""The real llama-server tier (issue 6): crossbar in front of real llama.cpp b11312 processes.
+"""The real llama-server tier: crossbar in front of real llama.cpp b11312 processes.
 
 Needs the lab built by `../shared/llama-lab/setup.sh` (`CROSSBAR_LLAMA_LAB`, default
 `~/.cache/crossbar-llama-lab`); every test is skipped with the reason when it is missing. The
