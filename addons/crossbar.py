@@ -12,6 +12,6 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 if sys.path[:1] != [_ROOT]:
     sys.path.insert(0, _ROOT)
 
-from crossbar.addons import make_addons  # noqa: E402
+from crossbar.addons import make_addon  # noqa: E402
 
-addons = make_addons()
+addons = [make_addon()]

@@ -4,8 +4,10 @@ retry after a 5xx (which mitmproxy cannot re-send itself)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import ipaddress
+import socket
 from collections.abc import Iterable
+from typing import Any
 
 import aiohttp
 
@@ -17,17 +19,50 @@ _DROP = frozenset({
 
 
 async def preflight(host: str, port: int, timeout: float) -> str | None:
-    """Open and close one TCP connection; None when the host accepts, else why not."""
+    """Open and close one TCP connection; None when the host accepts, else why not.
+
+    A bare socket, not a stream: nothing is read or written, and the transport, protocol and
+    close handshake of `asyncio.open_connection` cost about twice as much on the request path."""
+    loop = asyncio.get_running_loop()
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        async with asyncio.timeout(timeout):
+            addresses = await _addresses(loop, host, port)
+            error: OSError | None = None
+            for family, address in addresses:
+                try:
+                    await _connect(loop, family, address)
+                    return None
+                except OSError as exc:
+                    error = exc
+            raise error or OSError(f"no address for {host}")
     except TimeoutError:
         return f"connect timed out after {timeout:g}s"
     except OSError as exc:
         return str(exc) or type(exc).__name__
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return None
+
+
+Address = tuple[int, tuple[Any, ...]]  # (socket family, socket address)
+
+
+async def _addresses(loop: asyncio.AbstractEventLoop, host: str, port: int) -> list[Address]:
+    """(family, socket address) to try in order: a literal address as it is, a name resolved."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        return [(family, address) for family, _, _, _, address in infos]
+    if ip.version == 6:
+        return [(socket.AF_INET6, (str(ip), port, 0, 0))]
+    return [(socket.AF_INET, (str(ip), port))]
+
+
+async def _connect(loop: asyncio.AbstractEventLoop, family: int, address: tuple[Any, ...]) -> None:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, address)
+    finally:
+        sock.close()
 
 
 def forward_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -19,7 +19,7 @@ from typing import Any
 from mitmproxy import options
 from mitmproxy.tools.dump import DumpMaster
 
-from crossbar.addons import Runtime, make_addons
+from crossbar.addons import Runtime, make_addon
 from llamasim import SimConfig, SimServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ async def crossbar_proxy(config_path: Path, *, wait_polls: int = 1) -> AsyncIter
     opts = options.Options(server=False)
     master = DumpMaster(opts, with_termlog=False, with_dumper=False)
     addon = Runtime()
-    master.addons.add(*make_addons(addon))
+    master.addons.add(make_addon(addon))
     master.options.update(crossbar_config=str(config_path))
     task = asyncio.create_task(master.run())
     ps = master.addons.get("proxyserver")

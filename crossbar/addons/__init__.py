@@ -2,7 +2,8 @@
 concern and only wires hooks to the one `Router` (`crossbar.app`), which holds all live state and
 asks the pure `crossbar.placement` where each request goes.
 
-mitmproxy calls the addons in this order for every hook:
+mitmproxy sees them as one addon, a `Bundle` (`make_addon()`), which calls their hooks in this
+order:
 
   Limits        connection-level bounds: request and response heads, bodies, connections per peer
   Listeners     options, configuration, the router, every listener the TOML names
@@ -22,6 +23,7 @@ from typing import Any
 
 from crossbar.addons.account import Account
 from crossbar.addons.admin_api import AdminApi
+from crossbar.addons.bundle import Bundle
 from crossbar.addons.failover import Failover
 from crossbar.addons.graceful import GracefulStop
 from crossbar.addons.listeners import Listeners
@@ -31,7 +33,7 @@ from crossbar.addons.runtime import Clients, Runtime
 from crossbar.flowcap import FlowCap
 from crossbar.limits import Limits
 
-__all__ = ["Runtime", "make_addons"]
+__all__ = ["Bundle", "Runtime", "make_addon", "make_addons"]
 
 
 def make_addons(rt: Runtime | None = None) -> list[Any]:
@@ -40,3 +42,8 @@ def make_addons(rt: Runtime | None = None) -> list[Any]:
     return [Limits(lambda: rt.router, lambda: rt.reclaimer.soon()), Listeners(rt), Reload(rt), Clients(rt),
             AdminApi(rt), GracefulStop(rt), Route(rt), Failover(rt), Account(rt),
             FlowCap(lambda: rt.cfg.mitmweb_keep_flows if rt.cfg else 500)]
+
+
+def make_addon(rt: Runtime | None = None) -> Bundle:
+    """crossbar as the one addon mitmproxy loads."""
+    return Bundle(make_addons(rt))

@@ -1,6 +1,6 @@
 """What crossbar's addons share: the configuration, the one `Router`, and per-connection state.
 
-mitmproxy calls each addon's hooks in the order `make_addons()` lists them; they meet here. The
+The addons, called in the order `make_addons()` lists them, meet here. The
 per-connection maps are keyed weakly by mitmproxy's client connection, so nothing outlives it.
 """
 
