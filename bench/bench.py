@@ -110,8 +110,8 @@ class Plan:
     conversations: int = 12
     turns: int = 20
     in_flight: int = 5
-    rps_windows: int = 4  # per proxy, interleaved
-    rps_window_s: float = 2.0
+    rps_windows: int = 12  # per proxy; each crossbar window beside a bare mitmdump window
+    rps_window_s: float = 1.0
     stall_rounds: int = 5  # per proxy, interleaved; each a quiet and a loaded neighbour stream
 
 
@@ -1258,6 +1258,38 @@ async def rps_window(proxy: Proxy, seconds: float) -> tuple[float, int]:
     return done / (time.monotonic() - started), errors
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
+    """Windows in pairs, one per proxy, the order alternating. This machine's speed drifts (a
+    shared host), so each pair's ratio compares the proxies at the same moment; the ratio
+    reported is the median of the pairs' ratios. CPU time per request is the other view: it
+    does not depend on what else the machine runs."""
+    windows: dict[str, list[float]] = {p.name: [] for p in proxies}
+    cpu_us: dict[str, list[float]] = {p.name: [] for p in proxies}
+    errors = dict.fromkeys(windows, 0)
+    for window in range(plan.rps_windows):
+        for proxy in proxies if window % 2 == 0 else proxies[::-1]:
+            pid = proxy.proc.popen.pid
+            before = cpu_seconds(pid)
+            value, failed = await rps_window(proxy, plan.rps_window_s)
+            used = cpu_seconds(pid) - before
+            windows[proxy.name].append(value)
+            cpu_us[proxy.name].append(used / max(1.0, value * plan.rps_window_s) * 1e6)
+            errors[proxy.name] += failed
+    result: dict[str, Any] = {name: {"windows": values, "median": pct(values, 50), "errors": errors[name],
+                                     "cpu_us_per_request": pct(cpu_us[name], 50)}
+                              for name, values in windows.items()}
+    pairs = [ratio(x, b) for x, b in zip(windows["crossbar"], windows["mitmdump"], strict=True)]
+    result["pair_ratios"] = pairs
+    result["ratio"] = pct(pairs, 50)
+    return result
+
+
 async def neighbour(proxy: Proxy) -> tuple[float, float]:
     """One streamed reply: its largest gap between token events and its largest event delay (ms)."""
     body = json.dumps({"model": MODEL, "stream": True, "max_tokens": NEIGHBOUR_TOKENS,
@@ -1359,17 +1391,7 @@ async def run_pressure(plan: Plan, workdir: Path) -> dict[str, Any]:
     async with pressure_proxies(plan, workdir) as (proxies, max_body):
         for proxy in proxies:  # warm-up
             await rps_window(proxy, 0.5)
-        rps: dict[str, list[float]] = {p.name: [] for p in proxies}
-        rps_errors = dict.fromkeys(rps, 0)
-        for window in range(plan.rps_windows):
-            for proxy in proxies if window % 2 == 0 else proxies[::-1]:
-                value, errors = await rps_window(proxy, plan.rps_window_s)
-                rps[proxy.name].append(value)
-                rps_errors[proxy.name] += errors
-        for name, values in rps.items():
-            result["rps"][name] = {"windows": values, "median": pct(values, 50), "errors": rps_errors[name]}
-        result["rps"]["ratio"] = ratio(result["rps"]["crossbar"]["median"],
-                                       result["rps"]["mitmdump"]["median"])
+        result["rps"] = await measure_rps(proxies, plan)
         upload = many_messages_body(max_body)
         answer_body = json.dumps({"model": MODEL, "input": [f"text {i}" for i in range(BIG_ANSWER_INPUTS)]}
                                  ).encode()
@@ -1394,8 +1416,9 @@ async def run_pressure(plan: Plan, workdir: Path) -> dict[str, Any]:
 
 
 def pressure_table(r: dict[str, Any], plan: Plan) -> str:
-    rps = markdown(["proxy", "requests/s (median of windows)", "windows", "errors"],
-                   [[name, fmt(r["rps"][name]["median"], 0),
+    rps = markdown(["proxy", "requests/s (median of windows)", "CPU per request (µs, median)", "windows",
+                    "errors"],
+                   [[name, fmt(r["rps"][name]["median"], 0), fmt(r["rps"][name]["cpu_us_per_request"], 0),
                      " / ".join(fmt(v, 0) for v in r["rps"][name]["windows"]), str(r["rps"][name]["errors"])]
                     for name in ("mitmdump", "crossbar")])
     stall = markdown(["proxy", "neighbour's largest gap, quiet (p50)", "under load (p50)", "growth p50",
@@ -1408,9 +1431,13 @@ def pressure_table(r: dict[str, Any], plan: Plan) -> str:
                    [[name, fmt(m["warm_kib"] / 1024, 0), fmt(m["peak_kib"] / 1024, 0),
                      fmt(m["after_kib"] / 1024, 0), fmt(m["after_over_warm"])]
                     for name, m in r["rss"].items()])
+    cpu = ratio(r["rps"]["crossbar"]["cpu_us_per_request"], r["rps"]["mitmdump"]["cpu_us_per_request"])
     return (f"Requests per second: {RPS_CLIENTS} keep-alive clients, small non-streamed chats to a simulated "
-            f"host that answers at once, {plan.rps_windows} windows of {plan.rps_window_s:g} s per proxy, "
-            f"interleaved (target: crossbar >= {RPS_TARGET} x mitmdump; ratio {fmt(r['rps']['ratio'])}).\n\n"
+            f"host that answers at once, {plan.rps_windows} windows of {plan.rps_window_s:g} s per proxy "
+            "in pairs "
+            f"(target: crossbar >= {RPS_TARGET} x mitmdump; median of the pairs' ratios "
+            f"{fmt(r['rps']['ratio'])}; CPU per request, crossbar / mitmdump "
+            f"{fmt(cpu)}).\n\n"
             + rps + f"\n\nStalls: a neighbour stream ({NEIGHBOUR_TOKENS} tokens, {plan.token_ms:g} ms apart) "
             f"alone, then again while one client sends a {fmt(r['upload_mib'], 1)} MiB (max_body) chat of "
             f"small messages and another receives a ~{fmt(r['stall']['crossbar']['answer_mib'], 0)} MiB "

@@ -396,7 +396,7 @@ def _load_object(raw: bytes, sinks: Mapping[str, Callable[[], Sink]] | None = No
         if piecewise:
             obj = _loads_piecewise(text, sinks)
         else:
-            obj = json.loads(text, parse_constant=_refuse_constant)
+            obj = _DECODER.decode(text)
     except json.JSONDecodeError as e:
         reason = f"{e.msg} at line {e.lineno} column {e.colno}"
         raise bad_request(f"request body is not valid JSON: {reason}") from None
