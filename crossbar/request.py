@@ -393,10 +393,7 @@ def _load_object(raw: bytes, sinks: Mapping[str, Callable[[], Sink]] | None = No
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8") from None
     try:
-        if piecewise:
-            obj = _loads_piecewise(text, sinks)
-        else:
-            obj = _DECODER.decode(text)
+        obj = _loads_piecewise(text, sinks) if piecewise else _DECODER.decode(text)
     except json.JSONDecodeError as e:
         reason = f"{e.msg} at line {e.lineno} column {e.colno}"
         raise bad_request(f"request body is not valid JSON: {reason}") from None

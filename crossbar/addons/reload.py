@@ -122,10 +122,16 @@ class Reload:
         loader = ctx.master.addons.get("scriptloader")
         for script in getattr(loader, "addons", ()):
             namespace = getattr(script, "ns", None)
-            if self not in getattr(namespace, "addons", ()) or getattr(script, "reloadtask", None) is None:
+            if not _loaded_by(self, namespace) or getattr(script, "reloadtask", None) is None:
                 continue
             script.reloadtask.cancel()
             script.reloadtask = None
             log.info("crossbar: mitmproxy's reload of %s on change is off; restart crossbar to run new "
                      "code (systemctl reload crossbar or POST /_crossbar/reload re-reads the "
                      "configuration)", script.path)
+
+
+def _loaded_by(addon: object, namespace: object) -> bool:
+    """Whether the script module `namespace` registered `addon`, alone or in a `Bundle`."""
+    registered = getattr(namespace, "addons", ())
+    return any(a is addon or addon in getattr(a, "parts", ()) for a in registered)
