@@ -405,7 +405,8 @@ class Router:
             self._stop_waiting(where, ex)
             ex.queued_ms += int((time.monotonic() - waiting_since) * 1000)
         ex.hold_slot(ticket, release)
-        self.metrics.queue_wait.labels(ex.host, self.model_label(ex.model)).observe(ticket.queued_s)
+        m = self.metrics
+        m.child(m.queue_wait, ex.host, self.model_label(ex.model)).observe(ticket.queued_s)
 
     async def _fleet_slot(self, ex: Exchange, ticket: Ticket, key: str,
                           gone: asyncio.Event | None) -> Callable[[Ticket], None]:
@@ -575,7 +576,7 @@ class Router:
     # ------------------------------------------------------------ the ending
 
     def rejected(self, reason: Rejection) -> None:
-        self.metrics.rejected.labels(str(reason)).inc()
+        self.metrics.child(self.metrics.rejected, str(reason)).inc()
 
     def finish(self, ex: Exchange) -> None:
         """The request's one ending: its row and metrics, then everything it held is given back.
@@ -592,9 +593,10 @@ class Router:
         self.store.record_request(ex.row())
         host = ex.host or ""
         route = self.route_label(ex.route)
-        self.metrics.requests.labels(route, host, str(ex.status or 0)).inc()
+        m = self.metrics
+        m.child(m.requests, route, host, str(ex.status or 0)).inc()
         if ex.ttfb_ms is not None:
-            self.metrics.ttfb.labels(host).observe(ex.ttfb_ms / 1000)
+            m.child(m.ttfb, host).observe(ex.ttfb_ms / 1000)
         u = ex.usage
         if u is None:
             return
@@ -602,13 +604,13 @@ class Router:
         self._learn_rates(ex, host, u)
         if u.dropped:
             log.warning("%s reported %d usage figure(s) out of range; stored as unknown", host, u.dropped)
-            self.metrics.usage_dropped.labels(host).inc(u.dropped)
+            m.child(m.usage_dropped, host).inc(u.dropped)
         for kind, value in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens),
                             ("completion", u.completion_tokens)):
             if value:
-                self.metrics.tokens.labels(route, host, kind).inc(value)
+                m.child(m.tokens, route, host, kind).inc(value)
         if u.tokens_per_second:
-            self.metrics.generation_tps.labels(host, self.model_label(ex.model)).observe(u.tokens_per_second)
+            m.child(m.generation_tps, host, self.model_label(ex.model)).observe(u.tokens_per_second)
 
     def _learn_rates(self, ex: Exchange, host: str, u: Usage) -> None:
         """Teach the rate learner what the reply's timings say (figures already range-checked)."""

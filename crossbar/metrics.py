@@ -7,9 +7,11 @@ in-flight, queue, store errors) are read at scrape time by a collector, so they 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from crossbar.decisions import MOVES, Reason, Rejection
@@ -78,6 +80,7 @@ class CounterCollector(Collector):
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "crossbar_requests", "Proxied requests by route, host and status", ["route", "host", "status"],
@@ -116,10 +119,20 @@ class Metrics:
             "NULL)", ["host"], registry=r,
         )
 
+    def child(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """`metric.labels(*values)`, remembered: prometheus-client takes a lock and checks the values
+        on every call, and the request path asks for several series per request. Label values come
+        from the configuration and from status codes, so this stays as small as the series are."""
+        key = (id(metric), values)  # the metrics live as long as this object
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def lease_event(self, event: LeaseEvent) -> None:
         """A lease table listener: count every change of where a conversation lives."""
         if event.reason in MOVES:
-            self.lease_moves.labels(str(event.reason)).inc()
+            self.child(self.lease_moves, str(event.reason)).inc()
 
     def add_live(self, collector: LiveCollector) -> None:
         self.registry.register(collector)

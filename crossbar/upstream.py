@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
+from mitmproxy import http
+from mitmproxy.net.http import url
 
 # hop-by-hop headers (RFC 9110 §7.6.1) plus those the client library sets itself
 _DROP = frozenset({
@@ -63,6 +65,21 @@ async def _connect(loop: asyncio.AbstractEventLoop, family: int, address: tuple[
         await loop.sock_connect(sock, address)
     finally:
         sock.close()
+
+
+def point_at(request: http.Request, scheme: str, host: str, port: int, path: str) -> None:
+    """Send `request` to scheme://host:port in origin-form with `path`: what setting mitmproxy's
+    `scheme`, `host`, `port`, `path` and `authority` in turn does (the Host header, when there is
+    one, names the host, its port shown unless it is the scheme's default), set once instead of
+    once per property."""
+    data = request.data
+    data.scheme = scheme.encode()
+    data.host = host
+    data.port = port
+    data.path = path.encode("utf-8", "surrogateescape")
+    data.authority = b""
+    if "Host" in data.headers:
+        data.headers["Host"] = url.hostport(scheme, host, port)
 
 
 def forward_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:

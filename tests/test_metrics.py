@@ -185,3 +185,15 @@ async def test_lease_moves_count_every_lease_event_by_reason(tmp_path: Path) -> 
     assert counted == {**events, "drain": 0}
     assert {"new", "drain", "pin", "release", "unhealthy", "idle"} <= set(events)
     assert summed(samples, "crossbar_lease_moves_total") == sum(events.values()) - events["drain"]
+
+
+def test_a_remembered_series_is_the_one_prometheus_exposes() -> None:
+    m = Metrics()
+    first = m.child(m.requests, "r", "h1", "200")
+    assert m.child(m.requests, "r", "h1", "200") is first is m.requests.labels("r", "h1", "200")
+    first.inc()
+    m.child(m.requests, "r", "h1", "200").inc(2)
+    m.child(m.tokens, "r", "h1", "200").inc(5)  # same values, another metric: another series
+    text = m.exposition().decode()
+    assert 'crossbar_requests_total{host="h1",route="r",status="200"} 3.0' in text
+    assert 'crossbar_tokens_total{host="h1",route="r",type="200"} 5.0' in text

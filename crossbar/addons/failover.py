@@ -25,7 +25,7 @@ from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
 from crossbar.limiter import ClientGone
 from crossbar.tap import SSETap
-from crossbar.upstream import AnswerTooLarge, forward_headers, preflight, resend
+from crossbar.upstream import AnswerTooLarge, forward_headers, point_at, preflight, resend
 
 log = logging.getLogger("crossbar")
 
@@ -89,11 +89,7 @@ class Failover:
         router = self.rt.router
         assert router is not None
         conf = router.host_conf(ex.host)
-        r = flow.request
-        r.scheme = conf.scheme  # before host/port: it decides whether the port shows in Host
-        r.host, r.port = conf.host, conf.port
-        r.path = conf.base_path + ex.path
-        r.authority = ""
+        point_at(flow.request, conf.scheme, conf.host, conf.port, conf.base_path + ex.path)
         ex.forwarded = True
         router.sent(ex)
         ex.arm_deadline(router.cfg.first_byte_timeout, lambda host: self._first_byte_overdue(flow, host))

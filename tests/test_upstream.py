@@ -1,4 +1,5 @@
-"""The TCP pre-flight that checks a host accepts a connection before a request is sent to it."""
+"""crossbar's own upstream traffic: the TCP pre-flight that checks a host accepts a connection, and
+pointing a request at its host."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import os
 import socket
 
 import pytest
+from mitmproxy import http
+from mitmproxy.test import tutils
 
-from crossbar.upstream import preflight
+from crossbar.upstream import point_at, preflight
 
 
 async def _listening(host: str = "127.0.0.1") -> asyncio.Server:
@@ -63,3 +66,31 @@ async def test_no_socket_is_left_open() -> None:
             await preflight("127.0.0.1", port, 2.0)
             await preflight("127.0.0.1", _closed_port(), 2.0)
         assert len(os.listdir("/proc/self/fd")) <= before + 2
+
+
+def _by_setters(r: http.Request, scheme: str, host: str, port: int, path: str) -> None:
+    r.scheme = scheme  # mitmproxy's own way, one property at a time
+    r.host, r.port = host, port
+    r.path = path
+    r.authority = ""
+
+
+@pytest.mark.parametrize("scheme, host, port", [
+    ("http", "10.0.0.5", 8080), ("http", "llama-1.lan", 80), ("https", "llama-1.lan", 443),
+    ("https", "llama-1.lan", 8443), ("http", "::1", 8080), ("http", "bücher.example", 8080),
+])
+@pytest.mark.parametrize("host_header", [True, False])
+@pytest.mark.parametrize("authority", [b"", b"client.example:7777"])
+def test_point_at_does_what_mitmproxys_setters_do(scheme: str, host: str, port: int, host_header: bool,
+                                                 authority: bytes) -> None:
+    def request() -> http.Request:
+        headers = http.Headers(host="127.0.0.1:7777") if host_header else http.Headers()
+        r = tutils.treq(host="127.0.0.1", port=7777, path=b"/r/v1/chat/completions?x=1", headers=headers)
+        r.data.authority = authority
+        return r
+
+    ours, theirs = request(), request()
+    point_at(ours, scheme, host, port, "/base/v1/chat/completions")
+    _by_setters(theirs, scheme, host, port, "/base/v1/chat/completions")
+    assert ours.data.get_state() == theirs.data.get_state()
+    assert ours.url == theirs.url
