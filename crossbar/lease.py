@@ -164,9 +164,10 @@ class LeaseTable:
             case Change.NONE:
                 return
             case Change.USE if lease is not None:
+                was = lease.state
                 if self._pins.get(key.route) == lease.host:
                     lease.state = PINNED
-                self._use(lease, now)
+                self._use(lease, now, save=lease.state != was or not self.in_use(key))
             case Change.MOVE if lease is not None:
                 state = PINNED if change.reason == Reason.PIN else ACTIVE
                 self._replace(Lease(key, change.host, state, now, now))
@@ -181,7 +182,7 @@ class LeaseTable:
                     self._replace(Lease(key, change.host, ACTIVE, now, now))
                     self._event(now, key, lease.host, change.host, change.reason)
                 else:
-                    self._use(lease, now)
+                    self._use(lease, now, save=not self.in_use(key))
 
     def hold(self, key: Key) -> None:
         """A request of this conversation is queued or in flight."""
@@ -432,11 +433,15 @@ class LeaseTable:
                         "(%d evictions so far)", why, victim.key.route, self.evicted)
         self._drop(victim, now, Reason.EVICTED, None)
 
-    def _use(self, lease: Lease, now: float) -> None:
+    def _use(self, lease: Lease, now: float, save: bool = True) -> None:
+        """The lease was used now. A turn of a conversation held by a request in flight need not
+        be written: the request's end (`unhold`) writes the later time anyway, so each turn costs
+        the database one lease write instead of two."""
         lease.last_used = now
         self._leases.move_to_end(lease.key)
         self._by_route[lease.key.route].move_to_end(lease.key)
-        self._save(lease)
+        if save:
+            self._save(lease)
 
     def _drop(self, lease: Lease, now: float, reason: Reason, to_host: str | None,
               idle_before: float | None = None) -> None:

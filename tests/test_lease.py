@@ -185,6 +185,17 @@ def test_the_end_of_a_request_records_last_use(w: World) -> None:
     assert w.table.snapshot()[0].last_used == 150.0
 
 
+def test_a_turn_in_flight_is_written_once_when_it_ends(w: World) -> None:
+    w.acquire(K1, 100.0)
+    w.persist.take()
+    w.table.hold(K1)  # the router holds a completion's conversation before placing it
+    assert w.acquire(K1, 200.0) == Grant("alpha", Decision.REUSED)
+    assert w.persist.take() == []  # the touch stays in memory ...
+    assert w.table.snapshot()[0].last_used == 200.0
+    w.table.unhold(K1, 260.0)
+    assert w.persist.take() == [save(K1, "alpha", 100.0, 260.0)]  # ... and the end writes the later time
+
+
 def test_unhealthy_host_moves_the_lease_with_an_event(w: World) -> None:
     w.acquire(K1, 100.0)
     w.persist.take()

@@ -1,0 +1,118 @@
+"""Requests per second and CPU per request of two crossbar trees and bare mitmdump, side by side.
+
+    .venv/bin/python bench/rps_ab.py OTHER_TREE [--windows N] [--out FILE.json]
+
+OTHER_TREE is another checkout of crossbar (say `git worktree add /tmp/before <commit>`); it runs
+from this tree's virtualenv. The load is the pressure section's (16 keep-alive clients, small
+non-streamed chats to a simulated host that answers at once). The three proxies take 1 s windows
+in turn, the order rotating, so all three see the machine at the same moments; on a shared
+machine whose speed drifts, comparing separate runs says little. Reported per crossbar tree: the
+median over rounds of its requests/s ÷ bare mitmdump's, and of its CPU time per request ÷ bare
+mitmdump's (user + system of all its threads, from /proc). Every process it starts is stopped by it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench
+
+
+def crossbar_from(tree: Path, config: Path) -> list[str]:
+    cmd = bench.crossbar_cmd(config)
+    cmd[cmd.index("-s") + 1] = str(tree / "addons" / "crossbar.py")
+    return cmd
+
+
+async def measure(other: Path, windows: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        host_port, bare_port, this_port, other_port = (bench.free_port() for _ in range(4))
+
+        def config(name: str, port: int) -> Path:
+            return bench.write_crossbar_toml(workdir / f"{name}.toml", port, workdir / f"{name}.db",
+                                             {"fast": host_port}, "bench", poll_interval="30s",
+                                             parallel=bench.RPS_CLIENTS)
+
+        this_cfg, other_cfg = config("this", this_port), config("other", other_port)
+        async with contextlib.AsyncExitStack() as stack:
+            host_cmd = bench.sim_cmd(host_port, 0.0, 1, slots=bench.RPS_CLIENTS)
+            await stack.enter_async_context(bench.running("host", host_cmd, workdir, host_port, "/health"))
+            bare_cmd = bench.bare_mitmdump_cmd({bare_port: host_port}, this_cfg)
+            bare = await stack.enter_async_context(bench.running("mitmdump", bare_cmd, workdir, bare_port,
+                                                                 "/health"))
+            this = await stack.enter_async_context(bench.running(
+                "this", crossbar_from(bench.ROOT, this_cfg), workdir, this_port, "/_crossbar/hosts"))
+            that = await stack.enter_async_context(bench.running(
+                "other", crossbar_from(other, other_cfg), workdir, other_port, "/_crossbar/hosts"))
+            proxies = [bench.Proxy("mitmdump", bare, bare_port, bench.CHAT, bare_port, ""),
+                       bench.Proxy("this", this, this_port, "", this_port, "/bench"),
+                       bench.Proxy("other", that, other_port, "", other_port, "/bench")]
+            return await rounds(proxies, windows)
+
+
+async def rounds(proxies: Sequence[bench.Proxy], windows: int) -> dict[str, Any]:
+    for proxy in proxies:  # warm-up
+        await bench.rps_window(proxy, 0.5)
+    rps: dict[str, list[float]] = {p.name: [] for p in proxies}
+    cpu: dict[str, list[float]] = {p.name: [] for p in proxies}
+    for window in range(windows):
+        shift = window % len(proxies)
+        for proxy in [*proxies[shift:], *proxies[:shift]]:
+            before = bench.cpu_seconds(proxy.proc.popen.pid)
+            value, errors = await bench.rps_window(proxy, 1.0)
+            if errors:
+                raise RuntimeError(f"{proxy.name}: {errors} requests failed")
+            rps[proxy.name].append(value)
+            cpu[proxy.name].append((bench.cpu_seconds(proxy.proc.popen.pid) - before) / max(value, 1.0) * 1e6)
+    result: dict[str, Any] = {"windows": windows, "rps": rps, "cpu_us_per_request": cpu}
+    for name in ("this", "other"):
+        result[name] = {
+            "rps_ratio": bench.pct([a / b for a, b in zip(rps[name], rps["mitmdump"], strict=True)], 50),
+            "cpu_ratio": bench.pct([a / b for a, b in zip(cpu[name], cpu["mitmdump"], strict=True)], 50),
+            "cpu_us_per_request": bench.pct(cpu[name], 50)}
+    result["mitmdump"] = {"cpu_us_per_request": bench.pct(cpu["mitmdump"], 50)}
+    return result
+
+
+def table(r: dict[str, Any], other: Path) -> str:
+    def row(label: str, f: dict[str, Any]) -> list[str]:
+        return [label, bench.fmt(f["rps_ratio"], 3), bench.fmt(f["cpu_ratio"], 3),
+                bench.fmt(f["cpu_us_per_request"], 0)]
+
+    rows = [row(f"this tree ({bench.ROOT})", r["this"]), row(f"other tree ({other})", r["other"]),
+            ["bare mitmdump", "1", "1", bench.fmt(r["mitmdump"]["cpu_us_per_request"], 0)]]
+    return bench.markdown(["proxy", "requests/s ÷ mitmdump (median)", "CPU per request ÷ mitmdump (median)",
+                           "CPU per request (µs, median)"], rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("other", type=Path, help="another crossbar checkout")
+    parser.add_argument("--windows", type=int, default=15, help="1 s windows per proxy (default 15)")
+    parser.add_argument("--out", type=Path, help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    other = args.other.resolve()
+    if not (other / "addons" / "crossbar.py").is_file():
+        parser.error(f"{other} is not a crossbar checkout (no addons/crossbar.py)")
+    signal.signal(signal.SIGTERM, bench._sigterm)  # unwinds, so every process started is stopped
+    result = asyncio.run(measure(other, args.windows))
+    print(table(result, other))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
