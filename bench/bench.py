@@ -272,10 +272,10 @@ async def wait_ready(proc: Proc, port: int, path: str, timeout: float = 30.0) ->
 
 @contextlib.asynccontextmanager
 async def running(name: str, cmd: Sequence[str], logdir: Path, port: int, ready_path: str,
-                  ) -> AsyncIterator[Proc]:
+                  ready_timeout: float = 30.0) -> AsyncIterator[Proc]:
     proc = spawn(name, cmd, logdir)
     try:
-        await wait_ready(proc, port, ready_path)
+        await wait_ready(proc, port, ready_path, ready_timeout)
         yield proc
     finally:
         await stop(proc)

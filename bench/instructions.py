@@ -1,0 +1,138 @@
+"""Instructions per request of bare mitmdump and crossbar, counted by valgrind's callgrind.
+
+    .venv/bin/python bench/instructions.py [OTHER_TREE ...] [--requests N]
+
+Timings on a shared machine drift by a factor of two within seconds; an instruction count does
+not. Each proxy runs under `valgrind --tool=callgrind` with counting switched off, takes 100
+requests to warm up, then counts exactly the instructions (all threads: the event loop and the
+database writer) of N more requests of the pressure section's load (small non-streamed chats,
+4 keep-alive clients, a simulated host that answers at once). Reported: instructions per
+request, and each crossbar tree's count ÷ bare mitmdump's. OTHER_TREE, another crossbar checkout
+(`git worktree add /tmp/before <commit>`), is measured the same way from this tree's virtualenv.
+
+Needs valgrind (`apt install valgrind`). Under valgrind each proxy runs tens of times slower: about
+a minute per proxy for the default 300 requests. Every process it starts is stopped by it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench
+
+WARMUP = 100
+CLIENTS = 4
+
+
+async def load(proxy: bench.Proxy, requests: int) -> None:
+    """`requests` small chats over CLIENTS keep-alive connections; any failure is an error."""
+    conns = [bench.Conn(proxy.bulk_port) for _ in range(CLIENTS)]
+    numbers = itertools.count()
+
+    async def client(conn: bench.Conn, k: int) -> None:
+        while (i := next(numbers)) < requests:
+            body = json.dumps({"model": bench.MODEL, "max_tokens": 1, "messages": [
+                {"role": "user", "content": f"client {k}"}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": f"question {i}"}]}).encode()
+            got = await conn.post_stream(proxy.bulk_prefix + bench.CHAT, body)
+            if got.status != 200:
+                raise RuntimeError(f"{proxy.name}: a request got HTTP {got.status}")
+
+    try:
+        await asyncio.gather(*(client(conn, k) for k, conn in enumerate(conns)))
+    finally:
+        for conn in conns:
+            await conn.close()
+
+
+def callgrind_control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
+
+
+def counted(dump: Path) -> int:
+    """The instruction total of a callgrind dump."""
+    for line in dump.read_text().splitlines():
+        if line.startswith("summary:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{dump}: no summary line")
+
+
+async def per_request(name: str, tree: Path | None, requests: int, workdir: Path) -> float:
+    """Instructions per request of bare mitmdump (`tree` None) or of crossbar from `tree`."""
+    host_port, port = bench.free_port(), bench.free_port()
+    config = bench.write_crossbar_toml(workdir / f"{name}.toml", port, workdir / f"{name}.db",
+                                       {"fast": host_port}, "bench", poll_interval="30s",
+                                       parallel=bench.RPS_CLIENTS)
+    # under valgrind the first health poll can take seconds: give it time instead of marking it down
+    config.write_text(config.read_text().replace('poll_timeout = "2s"', 'poll_timeout = "60s"'))
+    out = workdir / f"callgrind.{name}"
+    valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p"]
+    if tree is None:
+        cmd, ready = bench.bare_mitmdump_cmd({port: host_port}, config), "/health"
+        proxy = bench.Proxy(name, None, port, bench.CHAT, port, "")  # type: ignore[arg-type]
+    else:
+        cmd, ready = bench.crossbar_cmd(config), "/_crossbar/hosts"
+        cmd[cmd.index("-s") + 1] = str(tree / "addons" / "crossbar.py")
+        proxy = bench.Proxy(name, None, port, "", port, "/bench")  # type: ignore[arg-type]
+    host_cmd = bench.sim_cmd(host_port, 0.0, 1, slots=bench.RPS_CLIENTS)
+    async with bench.running("host", host_cmd, workdir, host_port, "/health"), \
+            bench.running(name, valgrind + cmd, workdir, port, ready, ready_timeout=300) as proc:
+        await load(proxy, WARMUP)
+        pid = proc.popen.pid
+        callgrind_control(pid, "--instr=on")
+        callgrind_control(pid, "--zero")
+        await load(proxy, requests)
+        callgrind_control(pid, "--dump")
+        callgrind_control(pid, "--instr=off")
+    dumps = sorted(workdir.glob(f"callgrind.{name}.*.1"))
+    if not dumps:
+        raise RuntimeError(f"{name}: callgrind wrote no dump")
+    return counted(dumps[0]) / requests
+
+
+async def measure(trees: Sequence[Path], requests: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        result = {"mitmdump": await per_request("mitmdump", None, requests, workdir)}
+        for i, tree in enumerate(trees):
+            result[str(tree)] = await per_request(f"crossbar{i}", tree, requests, workdir)
+        return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("other", type=Path, nargs="*", help="other crossbar checkouts to count too")
+    parser.add_argument("--requests", type=int, default=300, help="requests counted per proxy (default 300)")
+    parser.add_argument("--out", type=Path, help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        parser.error("valgrind is not installed (apt install valgrind)")
+    others = [tree.resolve() for tree in args.other]
+    for tree in others:
+        if not (tree / "addons" / "crossbar.py").is_file():
+            parser.error(f"{tree} is not a crossbar checkout (no addons/crossbar.py)")
+    signal.signal(signal.SIGTERM, bench._sigterm)  # unwinds, so every process started is stopped
+    result = asyncio.run(measure([bench.ROOT, *others], args.requests))
+    bare = result["mitmdump"]
+    rows = [[name if name == "mitmdump" else f"crossbar, {name}", bench.fmt(count, 0),
+             bench.fmt(count / bare, 3)] for name, count in result.items()]
+    print(bench.markdown(["proxy", "instructions per request", "÷ bare mitmdump"], rows))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

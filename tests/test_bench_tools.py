@@ -1,0 +1,38 @@
+"""The comparison tools of bench/: what they read and which code they run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import instructions
+import rps_ab
+
+import bench
+
+
+def test_a_callgrind_dump_is_read_for_its_instruction_total(tmp_path: Path) -> None:
+    dump = tmp_path / "callgrind.x.1"
+    dump.write_text("version: 1\ncreator: callgrind-3.19.0\npart: 1\nevents: Ir\nsummary: 2078437611\n"
+                    "totals: 2078438221\n")
+    assert instructions.counted(dump) == 2078437611
+    dump.write_text("events: Ir\n")
+    with pytest.raises(RuntimeError, match="no summary"):
+        instructions.counted(dump)
+
+
+def test_the_other_tree_runs_its_own_entry_script(tmp_path: Path) -> None:
+    cmd = rps_ab.crossbar_from(tmp_path / "before", tmp_path / "c.toml")
+    assert cmd[cmd.index("-s") + 1] == str(tmp_path / "before" / "addons" / "crossbar.py")
+    assert f"crossbar_config={tmp_path / 'c.toml'}" in cmd
+
+
+def test_cpu_time_is_read_for_the_whole_process() -> None:
+    before = bench.cpu_seconds(os.getpid())
+    sum(i * i for i in range(2_000_000))  # some CPU work in this process
+    assert bench.cpu_seconds(os.getpid()) > before
