@@ -324,8 +324,9 @@ def option_arg(name: str, value: object) -> str:
     return f"{name}={text}"
 
 
-def crossbar_cmd(config: Path) -> list[str]:
-    return [MITMDUMP, "-s", str(ROOT / "addons" / "crossbar.py"), "--set", f"crossbar_config={config}",
+def crossbar_cmd(config: Path, tree: Path = ROOT) -> list[str]:
+    """crossbar from `tree` (this checkout, or another one run from this virtualenv)."""
+    return [MITMDUMP, "-s", str(tree / "addons" / "crossbar.py"), "--set", f"crossbar_config={config}",
             "--set", "server=false", *LOG_OPTIONS]
 
 
@@ -1264,29 +1265,47 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
-    """Windows in pairs, one per proxy, the order alternating. This machine's speed drifts (a
-    shared host), so each pair's ratio compares the proxies at the same moment; the ratio
-    reported is the median of the pairs' ratios. CPU time per request is the other view: it
-    does not depend on what else the machine runs."""
-    windows: dict[str, list[float]] = {p.name: [] for p in proxies}
-    cpu_us: dict[str, list[float]] = {p.name: [] for p in proxies}
-    errors = dict.fromkeys(windows, 0)
-    for window in range(plan.rps_windows):
-        for proxy in proxies if window % 2 == 0 else proxies[::-1]:
+@dataclass
+class Windows:
+    """Per proxy name: requests/s of each window, CPU µs per request of each window, failures."""
+
+    rps: dict[str, list[float]]
+    cpu_us: dict[str, list[float]]
+    errors: dict[str, int]
+
+
+async def rotating_windows(proxies: Sequence[Proxy], windows: int, seconds: float) -> Windows:
+    """`windows` rounds of one window per proxy, the order rotating each round. This machine's
+    speed drifts (a shared host), so a round compares the proxies at nearly the same moment. CPU
+    time per request (all the proxy's threads) is read around each window."""
+    out = Windows({p.name: [] for p in proxies}, {p.name: [] for p in proxies}, {p.name: 0 for p in proxies})
+    for window in range(windows):
+        shift = window % len(proxies)
+        for proxy in [*proxies[shift:], *proxies[:shift]]:
             pid = proxy.proc.popen.pid
             before = cpu_seconds(pid)
-            value, failed = await rps_window(proxy, plan.rps_window_s)
+            value, failed = await rps_window(proxy, seconds)
             used = cpu_seconds(pid) - before
-            windows[proxy.name].append(value)
-            cpu_us[proxy.name].append(used / max(1.0, value * plan.rps_window_s) * 1e6)
-            errors[proxy.name] += failed
-    result: dict[str, Any] = {name: {"windows": values, "median": pct(values, 50), "errors": errors[name],
-                                     "cpu_us_per_request": pct(cpu_us[name], 50)}
-                              for name, values in windows.items()}
-    pairs = [ratio(x, b) for x, b in zip(windows["crossbar"], windows["mitmdump"], strict=True)]
-    result["pair_ratios"] = pairs
-    result["ratio"] = pct(pairs, 50)
+            out.rps[proxy.name].append(value)
+            out.cpu_us[proxy.name].append(used / max(1.0, value * seconds) * 1e6)
+            out.errors[proxy.name] += failed
+    return out
+
+
+def pair_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """The median of the rounds' ratios a / b."""
+    return pct([ratio(x, y) for x, y in zip(a, b, strict=True)], 50)
+
+
+async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
+    """Crossbar beside bare mitmdump in rotating windows; the ratio reported is the median of the
+    rounds' ratios. CPU time per request is the other view."""
+    w = await rotating_windows(proxies, plan.rps_windows, plan.rps_window_s)
+    result: dict[str, Any] = {name: {"windows": values, "median": pct(values, 50), "errors": w.errors[name],
+                                     "cpu_us_per_request": pct(w.cpu_us[name], 50)}
+                              for name, values in w.rps.items()}
+    result["pair_ratios"] = [ratio(x, b) for x, b in zip(w.rps["crossbar"], w.rps["mitmdump"], strict=True)]
+    result["ratio"] = pair_ratio(w.rps["crossbar"], w.rps["mitmdump"])
     return result
 
 

@@ -80,15 +80,13 @@ async def per_request(name: str, tree: Path | None, requests: int, workdir: Path
     out = workdir / f"callgrind.{name}"
     valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p"]
     if tree is None:
-        cmd, ready = bench.bare_mitmdump_cmd({port: host_port}, config), "/health"
-        proxy = bench.Proxy(name, None, port, bench.CHAT, port, "")  # type: ignore[arg-type]
+        cmd, ready, prefix = bench.bare_mitmdump_cmd({port: host_port}, config), "/health", ""
     else:
-        cmd, ready = bench.crossbar_cmd(config), "/_crossbar/hosts"
-        cmd[cmd.index("-s") + 1] = str(tree / "addons" / "crossbar.py")
-        proxy = bench.Proxy(name, None, port, "", port, "/bench")  # type: ignore[arg-type]
+        cmd, ready, prefix = bench.crossbar_cmd(config, tree), "/_crossbar/hosts", "/bench"
     host_cmd = bench.sim_cmd(host_port, 0.0, 1, slots=bench.RPS_CLIENTS)
     async with bench.running("host", host_cmd, workdir, host_port, "/health"), \
             bench.running(name, valgrind + cmd, workdir, port, ready, ready_timeout=300) as proc:
+        proxy = bench.Proxy(name, proc, port, bench.CHAT, port, prefix)
         await load(proxy, WARMUP)
         pid = proc.popen.pid
         callgrind_control(pid, "--instr=on")

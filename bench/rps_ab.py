@@ -29,12 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench
 
 
-def crossbar_from(tree: Path, config: Path) -> list[str]:
-    cmd = bench.crossbar_cmd(config)
-    cmd[cmd.index("-s") + 1] = str(tree / "addons" / "crossbar.py")
-    return cmd
-
-
 async def measure(other: Path, windows: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -53,9 +47,9 @@ async def measure(other: Path, windows: int) -> dict[str, Any]:
             bare = await stack.enter_async_context(bench.running("mitmdump", bare_cmd, workdir, bare_port,
                                                                  "/health"))
             this = await stack.enter_async_context(bench.running(
-                "this", crossbar_from(bench.ROOT, this_cfg), workdir, this_port, "/_crossbar/hosts"))
+                "this", bench.crossbar_cmd(this_cfg), workdir, this_port, "/_crossbar/hosts"))
             that = await stack.enter_async_context(bench.running(
-                "other", crossbar_from(other, other_cfg), workdir, other_port, "/_crossbar/hosts"))
+                "other", bench.crossbar_cmd(other_cfg, other), workdir, other_port, "/_crossbar/hosts"))
             proxies = [bench.Proxy("mitmdump", bare, bare_port, bench.CHAT, bare_port, ""),
                        bench.Proxy("this", this, this_port, "", this_port, "/bench"),
                        bench.Proxy("other", that, other_port, "", other_port, "/bench")]
@@ -65,24 +59,15 @@ async def measure(other: Path, windows: int) -> dict[str, Any]:
 async def rounds(proxies: Sequence[bench.Proxy], windows: int) -> dict[str, Any]:
     for proxy in proxies:  # warm-up
         await bench.rps_window(proxy, 0.5)
-    rps: dict[str, list[float]] = {p.name: [] for p in proxies}
-    cpu: dict[str, list[float]] = {p.name: [] for p in proxies}
-    for window in range(windows):
-        shift = window % len(proxies)
-        for proxy in [*proxies[shift:], *proxies[:shift]]:
-            before = bench.cpu_seconds(proxy.proc.popen.pid)
-            value, errors = await bench.rps_window(proxy, 1.0)
-            if errors:
-                raise RuntimeError(f"{proxy.name}: {errors} requests failed")
-            rps[proxy.name].append(value)
-            cpu[proxy.name].append((bench.cpu_seconds(proxy.proc.popen.pid) - before) / max(value, 1.0) * 1e6)
-    result: dict[str, Any] = {"windows": windows, "rps": rps, "cpu_us_per_request": cpu}
+    w = await bench.rotating_windows(proxies, windows, 1.0)
+    if failed := {name: n for name, n in w.errors.items() if n}:
+        raise RuntimeError(f"requests failed: {failed}")
+    result: dict[str, Any] = {"windows": windows, "rps": w.rps, "cpu_us_per_request": w.cpu_us}
     for name in ("this", "other"):
-        result[name] = {
-            "rps_ratio": bench.pct([a / b for a, b in zip(rps[name], rps["mitmdump"], strict=True)], 50),
-            "cpu_ratio": bench.pct([a / b for a, b in zip(cpu[name], cpu["mitmdump"], strict=True)], 50),
-            "cpu_us_per_request": bench.pct(cpu[name], 50)}
-    result["mitmdump"] = {"cpu_us_per_request": bench.pct(cpu["mitmdump"], 50)}
+        result[name] = {"rps_ratio": bench.pair_ratio(w.rps[name], w.rps["mitmdump"]),
+                        "cpu_ratio": bench.pair_ratio(w.cpu_us[name], w.cpu_us["mitmdump"]),
+                        "cpu_us_per_request": bench.pct(w.cpu_us[name], 50)}
+    result["mitmdump"] = {"cpu_us_per_request": bench.pct(w.cpu_us["mitmdump"], 50)}
     return result
 
 

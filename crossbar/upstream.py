@@ -1,5 +1,5 @@
-"""crossbar's own upstream traffic: the TCP pre-flight before a new connection, and the one
-retry after a 5xx (which mitmproxy cannot re-send itself)."""
+"""crossbar's own part in reaching a host: the TCP pre-flight before a new connection, pointing
+the request at its host, and the one retry after a 5xx (which mitmproxy cannot re-send itself)."""
 
 from __future__ import annotations
 

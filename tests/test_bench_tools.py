@@ -11,7 +11,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import instructions
-import rps_ab
 
 import bench
 
@@ -27,9 +26,16 @@ def test_a_callgrind_dump_is_read_for_its_instruction_total(tmp_path: Path) -> N
 
 
 def test_the_other_tree_runs_its_own_entry_script(tmp_path: Path) -> None:
-    cmd = rps_ab.crossbar_from(tmp_path / "before", tmp_path / "c.toml")
+    cmd = bench.crossbar_cmd(tmp_path / "c.toml", tmp_path / "before")
     assert cmd[cmd.index("-s") + 1] == str(tmp_path / "before" / "addons" / "crossbar.py")
     assert f"crossbar_config={tmp_path / 'c.toml'}" in cmd
+
+
+def test_rounds_are_compared_pairwise_not_by_their_medians() -> None:
+    # the machine's speed moved between rounds: two rounds say 0.5; the medians (100 / 400) say 0.25
+    a, b = [300, 100, 50], [600, 200, 400]
+    assert bench.pair_ratio(a, b) == 0.5
+    assert bench.pct(a, 50) / bench.pct(b, 50) == 0.25
 
 
 def test_cpu_time_is_read_for_the_whole_process() -> None:
