@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,6 +35,14 @@ import bench
 
 WARMUP = 100
 CLIENTS = 4
+
+
+@dataclass(frozen=True)
+class Count:
+    """Instructions per request: all threads, and the event loop's thread alone."""
+
+    total: float
+    loop: float
 
 
 async def load(proxy: bench.Proxy, requests: int) -> None:
@@ -69,7 +78,7 @@ def counted(dump: Path) -> int:
     raise RuntimeError(f"{dump}: no summary line")
 
 
-async def per_request(name: str, tree: Path | None, requests: int, workdir: Path) -> float:
+async def per_request(name: str, tree: Path | None, requests: int, workdir: Path) -> Count:
     """Instructions per request of bare mitmdump (`tree` None) or of crossbar from `tree`."""
     host_port, port = bench.free_port(), bench.free_port()
     config = bench.write_crossbar_toml(workdir / f"{name}.toml", port, workdir / f"{name}.db",
@@ -78,7 +87,8 @@ async def per_request(name: str, tree: Path | None, requests: int, workdir: Path
     # under valgrind the first health poll can take seconds: give it time instead of marking it down
     config.write_text(config.read_text().replace('poll_timeout = "2s"', 'poll_timeout = "60s"'))
     out = workdir / f"callgrind.{name}"
-    valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p"]
+    valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+                f"--callgrind-out-file={out}.%p"]
     if tree is None:
         cmd, ready, prefix = bench.bare_mitmdump_cmd({port: host_port}, config), "/health", ""
     else:
@@ -94,18 +104,23 @@ async def per_request(name: str, tree: Path | None, requests: int, workdir: Path
         await load(proxy, requests)
         callgrind_control(pid, "--dump")
         callgrind_control(pid, "--instr=off")
-    dumps = sorted(workdir.glob(f"callgrind.{name}.*.1"))
+    dumps = sorted(workdir.glob(f"callgrind.{name}.*.1-*"))  # one per thread: -01 is the event loop's
     if not dumps:
         raise RuntimeError(f"{name}: callgrind wrote no dump")
-    return counted(dumps[0]) / requests
+    threads = [counted(dump) / requests for dump in dumps]
+    return Count(total=sum(threads), loop=threads[0])
 
 
-async def measure(trees: Sequence[Path], requests: int) -> dict[str, float]:
+async def measure(trees: Sequence[Path], requests: int, keep: Path | None) -> dict[str, Count]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         result = {"mitmdump": await per_request("mitmdump", None, requests, workdir)}
         for i, tree in enumerate(trees):
             result[str(tree)] = await per_request(f"crossbar{i}", tree, requests, workdir)
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            for dump in workdir.glob("callgrind.*"):
+                shutil.copy(dump, keep / dump.name)
         return result
 
 
@@ -114,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("other", type=Path, nargs="*", help="other crossbar checkouts to count too")
     parser.add_argument("--requests", type=int, default=300, help="requests counted per proxy (default 300)")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="keep the callgrind dumps (one per proxy and thread) in DIR for callgrind_annotate")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         parser.error("valgrind is not installed (apt install valgrind)")
@@ -122,13 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (tree / "addons" / "crossbar.py").is_file():
             parser.error(f"{tree} is not a crossbar checkout (no addons/crossbar.py)")
     signal.signal(signal.SIGTERM, bench._sigterm)  # unwinds, so every process started is stopped
-    result = asyncio.run(measure([bench.ROOT, *others], args.requests))
+    result = asyncio.run(measure([bench.ROOT, *others], args.requests, args.keep))
     bare = result["mitmdump"]
-    rows = [[name if name == "mitmdump" else f"crossbar, {name}", bench.fmt(count, 0),
-             bench.fmt(count / bare, 3)] for name, count in result.items()]
-    print(bench.markdown(["proxy", "instructions per request", "÷ bare mitmdump"], rows))
+    rows = [[name if name == "mitmdump" else f"crossbar, {name}", bench.fmt(count.total, 0),
+             bench.fmt(count.total / bare.total, 3), bench.fmt(count.loop, 0), bench.fmt(count.total - count.loop, 0)]
+            for name, count in result.items()]
+    print(bench.markdown(["proxy", "instructions per request", "÷ bare mitmdump", "event loop thread",
+                          "other threads"], rows))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+        args.out.write_text(json.dumps({name: asdict(count) for name, count in result.items()}, indent=2))
     return 0
 
 

@@ -17,6 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from crossbar import jsonread
+from crossbar.jsonread import UNREAD
+
 MAX_LINE = 1024 * 1024  # longer SSE lines are forwarded but not scanned
 MAX_TOKENS = 100_000_000  # no context or answer comes near this; larger figures are not believed
 MAX_MILLIS = 30 * 86400 * 1000.0
@@ -145,11 +148,19 @@ def usage_from_body(body: bytes | None) -> Usage | None:
         return None
     if len(body) > WHOLE_BODY_MAX:
         return _usage_from_edges(body)
+    obj = _read(body)
+    return usage_from_object(obj) if isinstance(obj, dict) else None
+
+
+def _read(text: bytes | bytearray) -> Any:
+    """The JSON value of an answer or an event, or None when it is not JSON."""
+    obj = jsonread.loads(text)
+    if obj is not UNREAD:
+        return obj
     try:
-        obj = json.loads(body)
+        return json.loads(text)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
-    return usage_from_object(obj) if isinstance(obj, dict) else None
 
 
 def _usage_from_edges(body: bytes) -> Usage | None:
@@ -300,10 +311,7 @@ class SSETap:
         return any(buf.find(marker, start, end) != -1 for marker in _FINISH)
 
     def _parse(self, payload: bytes | bytearray) -> None:
-        try:
-            obj = json.loads(payload)
-        except (ValueError, RecursionError):
-            return
+        obj = _read(payload)
         if not isinstance(obj, dict):
             return
         self.usage = merge(self.usage, usage_from_object(obj))

@@ -1,15 +1,19 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
+from unittest import mock
 from urllib.parse import quote
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from crossbar import jsonread
 from crossbar.config import RouteConf
 from crossbar.errors import CrossbarError
+from crossbar.jsonread import UNREAD
 from crossbar.request import (
     ALLOWED,
     COMPLETION_PATHS,
@@ -700,3 +704,86 @@ def test_fingerprint_is_keyed() -> None:
     messages = [{"role": "user", "content": "hello"}]
     assert fingerprint(messages, KEY) != fingerprint(messages, b"other" * 8)
     assert fingerprint(messages, KEY) == fingerprint(messages, b"k" * 32)
+
+
+# ---------------------------------------------------------------- orjson and the standard library
+
+
+def _peek_outcome(raw: bytes, path: str) -> BodyPeek | tuple[int, str]:
+    try:
+        return peek_body(raw, path, "dm", 4 * MIB, KEY)
+    except CrossbarError as e:
+        return e.status, e.message
+
+
+def _standard_outcome(raw: bytes, path: str) -> BodyPeek | tuple[int, str]:
+    """The peek as the standard library alone reads the body (what crossbar did before orjson)."""
+    with mock.patch.object(jsonread, "loads", lambda text: UNREAD), \
+            mock.patch.object(jsonread, "compact_len", lambda value: None):
+        return _peek_outcome(raw, path)
+
+
+# no floats (their shortest forms differ: 1e-07 / 1e-7) and no integers beyond 64 bits (orjson
+# reads them as floats): both only change the byte count of tools, by a byte or two
+_exact_scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=20)
+_exact_values = st.recursive(
+    _exact_scalars,
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5)
+    ),
+    max_leaves=30,
+)
+_exact_message = st.fixed_dictionaries({}, optional={
+    "role": st.sampled_from(["system", "user", "assistant", "tool"]) | _exact_values,
+    "content": st.text(max_size=30) | st.none() | st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url"])},
+        optional={"text": st.text(max_size=10) | _exact_values})),
+    "tool_calls": st.lists(st.fixed_dictionaries({}, optional={"function": st.fixed_dictionaries(
+        {}, optional={"name": _exact_values, "arguments": _exact_values})})) | _exact_values,
+})
+_exact_bodies = st.fixed_dictionaries({}, optional={
+    "model": st.text(max_size=10) | _exact_values,
+    "stream": st.booleans() | _exact_values,
+    "messages": st.lists(_exact_message | _exact_values, max_size=5) | _exact_values,
+    "tools": st.lists(_exact_values, max_size=3) | _exact_values,
+    "prompt": _exact_values,
+    "input": _exact_values,
+})
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_exact_bodies, path=_paths, ascii_only=st.booleans())
+def test_orjson_peeks_as_the_standard_library(value: dict[str, Any], path: str, ascii_only: bool) -> None:
+    raw = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    assert _peek_outcome(raw, path) == _standard_outcome(raw, path)
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.binary(max_size=200), path=_paths)
+def test_orjson_refuses_bytes_as_the_standard_library(raw: bytes, path: str) -> None:
+    assert _peek_outcome(raw, path) == _standard_outcome(raw, path)
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"messages": [{"role": "user", "content": "\\ud800 lone"}]}',  # orjson refuses lone surrogates
+    b'{"messages": [{"role": "user", "content": "x"}], "n": ' + b"9" * 400 + b"}",  # beyond a double
+    b'{"messages": [], "n": ' + b"9" * 5000 + b"}",  # beyond Python's digit limit: refused by both
+    b'{"messages": [], "deep": ' + b"[" * 1024 + b"]" * 1024 + b"}",
+    b'{"messages": [], "deep": ' + b"[" * 1100 + b"]" * 1100 + b"}",
+    b'{"messages": [], "x": NaN}', b'{"messages": [], "x": -Infinity}',
+    b'\xef\xbb\xbf{"messages": []}', b'{"messages": [], "x": "\xff"}', b'{"messages": []} x',
+    b'{"messages": [{"role": "user", "content": "a"}], "messages": [{"role": "user", "content": "b"}]}',
+    b'{"messages": [], "tools": [' + b"[" * 300 + b"]" * 300 + b"]}",  # orjson writes 254 levels at most
+    b' \t\r\n{"messages": [{"role": "user", "content": "\\u0000\\n\\"\\\\"}]} \n',
+])
+def test_orjson_edge_cases_read_as_the_standard_library(raw: bytes) -> None:
+    assert _peek_outcome(raw, CHAT) == _standard_outcome(raw, CHAT)
+
+
+def test_numbers_orjson_writes_otherwise_change_only_the_byte_count() -> None:
+    tools = [{"big": 2**70, "small": 1e-7, "huge": 1e300}]
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}).encode()
+    fast, standard = _peek_outcome(raw, CHAT), _standard_outcome(raw, CHAT)
+    assert isinstance(fast, BodyPeek) and isinstance(standard, BodyPeek)
+    assert dataclasses.replace(fast, prompt_bytes=0) == dataclasses.replace(standard, prompt_bytes=0)
+    assert abs(fast.prompt_bytes - standard.prompt_bytes) <= 6

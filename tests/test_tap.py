@@ -4,9 +4,12 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
+from crossbar import jsonread
+from crossbar.jsonread import UNREAD
 from crossbar.tap import SSETap, Usage, merge, usage_from_body, usage_from_object
 
 SAMPLES = Path("/work/shared/llama-lab/samples")
@@ -424,3 +427,33 @@ def test_large_embeddings_reply_usage_from_its_head() -> None:
 
 def test_large_reply_without_usage() -> None:
     assert usage_from_body(b'{"data": [' + b"1, " * 500_000 + b"1]}") is None
+
+
+_usage_answers = [
+    b'{"usage": {"prompt_tokens": 10, "completion_tokens": 2, '
+    b'"prompt_tokens_details": {"cached_tokens": 4}}}',
+    b'{"usage": {"prompt_tokens": 18446744073709551616}, "timings": {"prompt_n": 3, "prompt_ms": 1e-7}}',
+    b'{"usage": {"prompt_tokens": 5}, "x": "\\ud800"}',  # orjson refuses the lone surrogate
+    b'{"usage": {"prompt_tokens": 5}, "x": ' + b"[" * 1100 + b"]" * 1100 + b"}",
+    b'{"usage": {"prompt_tokens": NaN}}', b'{"usage": {"prompt_tokens": 7}} trailing', b"\xff", b"[]", b"",
+]
+
+
+@pytest.mark.parametrize("body", _usage_answers)
+def test_answers_read_by_orjson_give_the_standard_librarys_usage(body: bytes) -> None:
+    with mock.patch.object(jsonread, "loads", lambda text: UNREAD):
+        standard = usage_from_body(body)
+    assert usage_from_body(body) == standard
+
+
+@pytest.mark.parametrize("body", _usage_answers)
+def test_events_read_by_orjson_give_the_standard_librarys_usage(body: bytes) -> None:
+    def scan() -> Usage | None:
+        tap = SSETap()
+        tap(b"data: " + body + b"\n\n")
+        tap(b"")
+        return tap.usage
+
+    with mock.patch.object(jsonread, "loads", lambda text: UNREAD):
+        standard = scan()
+    assert scan() == standard
