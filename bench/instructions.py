@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=300, help="requests counted per proxy (default 300)")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON")
     parser.add_argument("--keep", type=Path, metavar="DIR",
-                        help="keep the callgrind dumps (one per proxy and thread) in DIR for callgrind_annotate")
+                        help="keep the callgrind dumps (one per proxy and thread) in DIR")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         parser.error("valgrind is not installed (apt install valgrind)")
@@ -142,8 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = asyncio.run(measure([bench.ROOT, *others], args.requests, args.keep))
     bare = result["mitmdump"]
     rows = [[name if name == "mitmdump" else f"crossbar, {name}", bench.fmt(count.total, 0),
-             bench.fmt(count.total / bare.total, 3), bench.fmt(count.loop, 0), bench.fmt(count.total - count.loop, 0)]
-            for name, count in result.items()]
+             bench.fmt(count.total / bare.total, 3), bench.fmt(count.loop, 0),
+             bench.fmt(count.total - count.loop, 0)] for name, count in result.items()]
     print(bench.markdown(["proxy", "instructions per request", "÷ bare mitmdump", "event loop thread",
                           "other threads"], rows))
     if args.out:

@@ -99,10 +99,14 @@ def body_timeout(limit: float) -> Refusal:
                    Rejection.BODY_TIMEOUT)
 
 
-def _head_end(buf: bytearray) -> int:
-    """Index just past the blank line ending a head (CRLF or bare LF), or -1."""
-    ends = [i + n for i, n in ((buf.find(b"\r\n\r\n"), 4), (buf.find(b"\n\n"), 2), (buf.find(b"\n\r\n"), 3))
-            if i >= 0]
+def _head_end(buf: bytes | bytearray, start: int = 0, stop: int | None = None) -> int:
+    """Index just past the first blank line ending a head (CRLF or bare LF) in buf[start:stop], or
+    -1. The bare-LF forms are only looked for before the first CRLF one: a body's bytes after the
+    head are never scanned."""
+    crlf = buf.find(b"\r\n\r\n", start, stop)
+    before = stop if crlf < 0 else crlf + 4
+    ends = [i + n for i, n in ((crlf, 4), (buf.find(b"\n\n", start, before), 2),
+                               (buf.find(b"\n\r\n", start, before), 3)) if i >= 0]
     return min(ends) if ends else -1
 
 
@@ -215,15 +219,16 @@ class RequestFramer:
         if self.state == PASS or (self.state == LENGTH and len(data) < self._remaining):
             self._remaining -= len(data) if self.state == LENGTH else 0
             return data, None  # the common case, a body passing through: no copy
-        out = bytearray()
+        view = memoryview(data)
+        out: list[bytes | memoryview] = []  # joined once: each piece of `data` is copied only there
         pos = 0
         while pos < len(data):
             if self.state == PASS:
-                out += data[pos:]
+                out.append(view[pos:])
                 break
             if self.state == LENGTH:
                 take = min(self._remaining, len(data) - pos)
-                out += data[pos:pos + take]
+                out.append(view[pos:pos + take])
                 pos += take
                 self._remaining -= take
                 if not self._remaining:
@@ -233,46 +238,66 @@ class RequestFramer:
             if self.state == CHUNKED:
                 assert self._chunks is not None
                 used, verdict = self._chunks.feed(data, pos)
-                out += data[pos:pos + used]
+                out.append(view[pos:pos + used])
                 pos += used
                 if verdict == "over":
-                    return bytes(out), body_too_large(self.max_body)
+                    return b"".join(out), body_too_large(self.max_body)
                 if verdict:
                     self.state = PASS if verdict == "malformed" else HEAD
                     self.whole += verdict == "done"
                 continue
-            data, pos, refusal = self._feed_head(data, pos, out)
+            pos, refusal = self._feed_head(data, pos, out)
             if refusal:
-                return bytes(out), refusal
-        return bytes(out), None
+                return b"".join(out), refusal
+        if sum(map(len, out)) == len(data) and all(isinstance(piece, memoryview) for piece in out):
+            return data, None  # every byte passed on as it came: no copy
+        return b"".join(out), None
 
-    def _feed_head(self, data: bytes, pos: int, out: bytearray) -> tuple[bytes, int, Refusal | None]:
+    def _feed_head(self, data: bytes, pos: int, out: list[bytes | memoryview]) -> tuple[int, Refusal | None]:
+        """Take a head from data[pos:] (after what is held of it): where the rest of `data` starts,
+        and a refusal for a head that breaks the limits."""
         if not self.head:
             while pos < len(data) and data[pos] in b"\r\n":  # blank lines before a request line
                 pos += 1
-        self.head += data[pos:]
-        end = _head_end(self.head)
-        if end < 0:
+            if pos == len(data):
+                return pos, None
+        in_place = not self.head
+        head, pos = self._take_head(data, pos)
+        if head is None:
             if len(self.head) > self.max_head:
                 self.head.clear()
-                return b"", 0, head_too_large(self.max_head)
-            return b"", 0, None
-        if end > self.max_head:
-            self.head.clear()
-            return b"", 0, head_too_large(self.max_head)
-        head, rest = bytes(self.head[:end]), bytes(self.head[end:])
-        self.head.clear()
+                return len(data), head_too_large(self.max_head)
+            return len(data), None
+        if len(head) > self.max_head:
+            return len(data), head_too_large(self.max_head)
         if has_folded_line(head):
-            return b"", 0, folded_header()
+            return len(data), folded_header()
         self.state, self._remaining = body_framing(head)
         if self.state == LENGTH and self._remaining > self.max_body:
-            return b"", 0, body_too_large(self.max_body)
+            return len(data), body_too_large(self.max_body)
         self.heads += 1
         self.whole += self.state == HEAD
         if self.state == CHUNKED:
             self._chunks = ChunkCounter(self.max_body)
-        out += head
-        return rest, 0, None
+        out.append(memoryview(data)[pos - len(head):pos] if in_place else head)
+        return pos, None
+
+    def _take_head(self, data: bytes, pos: int) -> tuple[bytes | None, int]:
+        """(the complete head, where the bytes after it start), or (None, len(data)) with what
+        arrived held. Only the first max_head + 4 bytes are looked at: a head cannot be longer."""
+        window = self.max_head + 4 - len(self.head)
+        if not self.head:  # the usual case: the whole head in one read, looked for in place
+            end = _head_end(data, pos, pos + window)
+            if end >= 0:
+                return data[pos:end], end
+        held = len(self.head)
+        self.head += data[pos:pos + window]  # beyond max_head when no end is within the bound
+        end = _head_end(self.head)
+        if end < 0:
+            return None, len(data)
+        head = bytes(self.head[:end])
+        self.head.clear()
+        return head, pos + end - held
 
 
 class ResponseHeadFramer:
@@ -291,6 +316,11 @@ class ResponseHeadFramer:
         """(bytes for mitmproxy now, whether the head broke `max_head`)."""
         if not self.in_head:
             return data, False
+        if not self.head and data[9:10] != b"1":  # the usual case: a whole final head in one read
+            end = _head_end(data, 0, self.max_head + 4)
+            if 0 <= end <= self.max_head:
+                self.in_head = False
+                return data, False
         self.head += data
         end = _head_end(self.head)
         if end < 0 or end > self.max_head:

@@ -6,6 +6,7 @@ giant response head."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +17,8 @@ from typing import Any
 
 import pytest
 from harness import HostSpec, MitmdumpProcess, split_response, start_mitmdump, write_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mitmproxy.net.http.http1 import read_request_head
 
 from crossbar.limits import (
@@ -23,6 +26,7 @@ from crossbar.limits import (
     ClientReader,
     RequestFramer,
     ResponseHeadFramer,
+    _head_end,
     body_framing,
 )
 from llamasim import SimConfig, SimServer
@@ -396,6 +400,49 @@ async def test_a_refusal_waits_for_the_answers_to_the_requests_passed_on_before_
     reader.answer_written()
     assert await asyncio.wait_for(refusing, 5) == b""
     assert writer.written[0].startswith(b"HTTP/1.1 431")
+
+
+def test_what_a_read_brings_whole_passes_on_uncopied() -> None:
+    """A head and body in one read go on as the very bytes read: a 64 KiB read is not copied
+    (nor its body scanned for a head's end) on the way to mitmproxy."""
+    head = b"POST /a HTTP/1.1\r\nContent-Length: 70000\r\n\r\n"
+    first = head + b"\n\n" * 32000
+    framer = RequestFramer(max_head=64 * 1024, max_body=1 << 20)
+    out, refusal = framer.feed(first)
+    assert out is first and refusal is None and framer.in_body
+    rest = b"x" * (70000 - 64000) + b"GET /b HTTP/1.1\r\n\r\n"
+    out, refusal = framer.feed(rest)
+    assert out is rest and refusal is None and framer.whole == 2
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 70000\r\n\r\n" + b"\n\n" * 32000
+    assert ResponseHeadFramer(max_head=64 * 1024).feed(answer) == (answer, False)
+
+
+@pytest.mark.parametrize(("data", "end"), [
+    (b"GET / HTTP/1.1\nHost: x\n\nbody\r\n\r\n", 24),  # a bare-LF head before a CRLF blank line
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\nbody\n\n", 27),
+    (b"GET / HTTP/1.1\r\nHost: x\n\r\nbody", 26),
+    (b"GET / HTTP/1.1\r\nHost: x\r\n", -1),
+])
+def test_head_end(data: bytes, end: int) -> None:
+    assert _head_end(data) == end
+    assert _head_end(bytearray(b"zz" + data), 2) == (end + 2 if end >= 0 else -1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(heads=st.lists(st.sampled_from([b"\r\n", b"\n"]), min_size=1, max_size=4),
+       bodies=st.lists(st.binary(max_size=40), min_size=4, max_size=4),
+       cuts=st.lists(st.integers(0, 400), max_size=6))
+def test_a_pipelined_stream_passes_on_whole_however_it_is_cut(heads: list[bytes], bodies: list[bytes],
+                                                             cuts: list[int]) -> None:
+    stream = b"".join(b"POST /%d HTTP/1.1%sContent-Length: %d%s%s%s" % (i, nl, len(body), nl, nl, body)
+                      for i, (nl, body) in enumerate(zip(heads, bodies, strict=False)))
+    framer, out = RequestFramer(max_head=1024, max_body=100), b""
+    points = sorted({min(cut, len(stream)) for cut in cuts} | {0, len(stream)})
+    for a, b in itertools.pairwise(points):
+        got, refusal = framer.feed(stream[a:b])
+        assert refusal is None
+        out += got
+    assert out == stream and framer.whole == len(heads) and not framer.head_started
 
 
 def test_tls_and_http2_pass_untouched() -> None:
