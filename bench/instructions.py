@@ -7,7 +7,11 @@ not. Each proxy runs under `valgrind --tool=callgrind` with counting switched of
 requests to warm up, then counts exactly the instructions (all threads: the event loop and the
 database writer) of N more requests of the pressure section's load (small non-streamed chats,
 4 keep-alive clients, a simulated host that answers at once). Reported: instructions per
-request, and each crossbar tree's count ÷ bare mitmdump's. OTHER_TREE, another crossbar checkout
+request, each crossbar tree's count ÷ bare mitmdump's, and how many of them ran on the event
+loop's thread (the rest is the store's writer thread). `--keep DIR` keeps callgrind's dumps, one per
+proxy and thread, for `callgrind_annotate`. Under valgrind a request takes tens of times longer,
+so the writer thread commits smaller batches than at full speed: its share here is an upper
+bound. OTHER_TREE, another crossbar checkout
 (`git worktree add /tmp/before <commit>`), is measured the same way from this tree's virtualenv.
 
 Needs valgrind (`apt install valgrind`). Under valgrind each proxy runs tens of times slower: about

@@ -13,6 +13,8 @@ import aiohttp
 from mitmproxy import http
 from mitmproxy.net.http import url
 
+from crossbar.headers import has as has_header
+
 # hop-by-hop headers (RFC 9110 §7.6.1) plus those the client library sets itself
 _DROP = frozenset({
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
@@ -78,7 +80,7 @@ def point_at(request: http.Request, scheme: str, host: str, port: int, path: str
     data.port = port
     data.path = path.encode("utf-8", "surrogateescape")
     data.authority = b""
-    if "Host" in data.headers:
+    if has_header(data.headers, b"host"):
         data.headers["Host"] = url.hostport(scheme, host, port)
 
 

@@ -18,6 +18,7 @@ from functools import partial
 
 from mitmproxy import http
 
+from crossbar import headers
 from crossbar import request as req
 from crossbar.addons.runtime import LOCAL, Runtime, exchange_of
 from crossbar.encoded import usage_of_encoded
@@ -37,7 +38,7 @@ class Account:
         ex = exchange_of(flow)
         if ex is None or flow.metadata.get(LOCAL) or flow.response is None or ex.retry_pending:
             return
-        if flow.response.headers.get("content-type", "").startswith("text/event-stream"):
+        if headers.value(flow.response.headers, b"content-type", "").startswith("text/event-stream"):
             ex.tap = SSETap()
             flow.response.stream = ex.tap
         elif flow.response.stream:  # mitmproxy streams a body past its buffering bound
@@ -129,7 +130,8 @@ class BodyTail:
 
 
 def _encoded(response: http.Response) -> bool:
-    return response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity")
+    encoding = headers.value(response.headers, b"content-encoding", "identity")
+    return encoding.strip().lower() not in ("", "identity")
 
 
 def _holds_large_body(flow: http.HTTPFlow) -> bool:

@@ -7,7 +7,7 @@ import logging
 
 from mitmproxy import http
 
-from crossbar import errors, session
+from crossbar import errors, headers, session
 from crossbar import request as req
 from crossbar.addons.runtime import META, Runtime, close_socket
 from crossbar.config import RouteConf
@@ -65,7 +65,8 @@ class Route:
             resolved = req.resolve_listener(r.method, r.path, cfg.routes[listener_route])
             control = req.is_control(r.method, resolved.path)
         else:
-            resolved = req.resolve(r.method, r.path, r.headers.get("x-crossbar-route"), cfg.routes)
+            named = headers.value(r.headers, b"x-crossbar-route", None)
+            resolved = req.resolve(r.method, r.path, named, cfg.routes)
             control = resolved.path not in req.COMPLETION_PATHS
         route = resolved.route
         await self._admit(flow, route)
@@ -75,7 +76,8 @@ class Route:
                             completion=False)
         peek = await req.peek_body_off_loop(r.raw_content, resolved.path, route.default_model, cfg.max_body,
                                             self.rt.fp_key)
-        fp = session.conversation_fp(route, r.headers.get_all, peek.fingerprint)
+        fp = session.conversation_fp(route, lambda name: headers.values(r.headers, name.lower().encode()),
+                                     peek.fingerprint)
         return Exchange(
             route=route, key=Key(route.name, fp, peek.model), path=resolved.upstream_path,
             completion=True, stream=peek.stream, prompt_bytes=peek.prompt_bytes,
@@ -91,3 +93,4 @@ class Route:
         names = await self.rt.caller_names(flow)
         if not admitted(route.peers, names):
             raise errors.forbidden(f"route {route.name!r} is not open to this caller")
+

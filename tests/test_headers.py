@@ -1,0 +1,24 @@
+"""crossbar.headers answers exactly as mitmproxy's Headers does."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mitmproxy import http
+
+from crossbar import headers
+
+_names = st.sampled_from([b"content-type", b"Content-Type", b"CONTENT-TYPE", b"x-session-id", b"Host", b"x"])
+_values = st.binary(max_size=12)  # any bytes, not only UTF-8: values decode with surrogate escapes
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.lists(st.tuples(_names, _values), max_size=6),
+       wanted=st.sampled_from([b"content-type", b"x-session-id", b"host", b"absent"]))
+def test_lookups_answer_as_mitmproxy_headers(fields: list[tuple[bytes, bytes]], wanted: bytes) -> None:
+    h = http.Headers(fields)
+    name = wanted.decode()
+    assert headers.values(h, wanted) == h.get_all(name)
+    assert headers.value(h, wanted, None) == h.get(name)
+    assert headers.value(h, wanted, "") == h.get(name, "")
+    assert headers.has(h, wanted) == (name in h)
