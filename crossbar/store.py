@@ -49,6 +49,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.expression import Executable
 from sqlalchemy.sql.functions import FunctionElement
 from sqlmodel import Session
 
@@ -226,6 +227,37 @@ def _usage(key: str, since: float) -> Select[Any]:
 # the writer's operations
 
 
+_COMPILED: dict[tuple[str, str, str, tuple[str, ...]], tuple[str, tuple[str, ...] | None]] = {}
+
+
+def _execute_many(conn: Connection, name: str, build: Callable[[Connection], Executable],
+                  rows: list[dict[str, Any]]) -> None:
+    """`conn.execute(build(conn), rows)`, with the statement compiled once per dialect and set of
+    keys and handed to the driver's executemany as it is. SQLAlchemy's own processing of each
+    row's parameters took more of the writer thread (and of the interpreter lock the event loop
+    needs) than the database did. Values are the driver's native types already (the enqueueing
+    side normalises them), so no type conversion is skipped."""
+    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row), []).append(row)
+    for keys, same in groups.items():
+        _execute_same(conn, name, build, keys, same)
+
+
+def _execute_same(conn: Connection, name: str, build: Callable[[Connection], Executable],
+                  keys: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+    found = _COMPILED.get(cache := (conn.dialect.name, conn.dialect.paramstyle, name, keys))
+    if found is None:
+        compiled = build(conn).compile(dialect=conn.dialect, column_keys=list(keys))
+        order = tuple(compiled.positiontup) if compiled.positiontup is not None else None
+        found = _COMPILED[cache] = (str(compiled), order)
+    sql, order = found
+    if order is None:
+        conn.exec_driver_sql(sql, rows)
+    else:
+        conn.exec_driver_sql(sql, [tuple(row[k] for k in order) for row in rows])
+
+
 def _lease_key(op: Op) -> tuple[str, str, str]:
     return (op.data["route"], op.data["fp"], op.data["model"])
 
@@ -233,6 +265,8 @@ def _lease_key(op: Op) -> tuple[str, str, str]:
 def _figure(value: Any, low: int, high: int) -> int | None:
     """A whole figure within [low, high], else None (unknown): an upstream's absurd usage
     (2**70 tokens, 1e308, NaN) is never stored, so no sum of stored figures can overflow."""
+    if type(value) is int:  # the usual case, first
+        return value if low <= value <= high else None
     if value is None or isinstance(value, bool):
         return None
     if isinstance(value, float) and not math.isfinite(value):
@@ -244,6 +278,8 @@ def _figure(value: Any, low: int, high: int) -> int | None:
 def _text(value: Any) -> str:
     """A string every backend stores as given: PostgreSQL refuses NUL in text, so it becomes U+FFFD
     (on every backend, so that both keep the same keys)."""
+    if type(value) is str and "\x00" not in value:  # the usual case, first
+        return value
     return str(value).replace("\x00", "\ufffd")
 
 
@@ -521,7 +557,7 @@ class Store:
         self._apply_drains(conn, list(drains.values()))
         for kind, table in (("event", EVENTS), ("request", REQUESTS), ("health", HEALTH)):
             if rows[kind]:
-                conn.execute(insert(table), rows[kind])
+                _execute_many(conn, kind, lambda _, t=table: insert(t), rows[kind])
         for notify in rows["notify"]:  # delivered when this transaction commits
             conn.execute(text("SELECT pg_notify(:c, :p)"), notify)
 
@@ -530,9 +566,9 @@ class Store:
         saves = [op.data for op in ops if op.kind == "lease"]
         deletes = [{f"k_{k}": v for k, v in op.data.items()} for op in ops if op.kind == "unlease"]
         if saves:
-            conn.execute(_lease_upsert(conn), saves)
+            _execute_many(conn, "lease", _lease_upsert, saves)
         if deletes:
-            conn.execute(_lease_delete(), deletes)
+            _execute_many(conn, "unlease", lambda _: _lease_delete(), deletes)
 
     @staticmethod
     def _apply_drains(conn: Connection, drains: Sequence[dict[str, Any]]) -> None:

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import URL
+from sqlalchemy import URL, insert
 
 import crossbar.backend as backend_mod
-from crossbar.store import Store, StoreError
+from crossbar.schema import EVENTS
+from crossbar.store import Store, StoreError, _execute_many
 
 DAY = 86400.0
 T0 = 1_780_000_000.0  # some fixed UTC instant, well inside a day
@@ -530,3 +531,22 @@ def test_rollup_prunes_lease_events_older_than_retention(store: Store) -> None:
     assert store.flush()
     store.rollup(T0 + 2 * DAY)
     assert sorted(e.fp for e in store.lease_events()) == ["fp2", "fp3"]
+
+
+def test_rows_go_to_the_driver_as_sqlalchemy_would_write_them(store: Store) -> None:
+    """The writer hands compiled statements to the driver's executemany: rows with different keys
+    in one batch, NULLs, booleans and floats land as SQLAlchemy's own execute would store them."""
+    assert store._writer is not None
+    events = [{"ts": T0, "route": "r", "fp": "a", "model": "m", "reason": "new", "from_host": None,
+               "to_host": "x"},
+              {"ts": T0 + 0.25, "route": "r", "fp": "b", "model": "m", "reason": "idle"}]
+    with store._writer.begin() as conn:
+        _execute_many(conn, "event", lambda _: insert(EVENTS), events)
+    got = sorted((e.ts, e.fp, e.from_host, e.to_host, e.reason) for e in store.lease_events())
+    assert got == [(T0, "a", None, "x", "new"), (T0 + 0.25, "b", None, None, "idle")]
+    store.record_request({"route": "r", "fp": "f", "model": "m", "host": None, "started": T0 + 0.5,
+                          "queued_ms": 3, "total_ms": 9, "streamed": True, "prompt_tokens": 7})
+    assert store.flush()
+    [row] = store.requests_since(T0)
+    assert (row.started, row.streamed, row.queued_ms, row.prompt_tokens, row.cached_tokens, row.host) == (
+        T0 + 0.5, True, 3, 7, None, None)
