@@ -20,7 +20,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.expression import Executable
+from sqlalchemy.sql.expression import Executable, Insert
 from sqlalchemy.sql.functions import FunctionElement
 from sqlmodel import Session
 
@@ -227,7 +227,20 @@ def _usage(key: str, since: float) -> Select[Any]:
 # the writer's operations
 
 
-_COMPILED: dict[tuple[str, str, str, tuple[str, ...]], tuple[str, tuple[str, ...] | None]] = {}
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    sql: str
+    order: tuple[str, ...] | None  # the parameters' order, for a driver that takes them by position
+    rows_at: int = -1  # where the VALUES row `row` sits in `sql` (an INSERT by position), else -1
+    row: str = ""
+
+    def many_rows(self, n: int) -> str:
+        """The INSERT with n rows of values."""
+        return self.sql[:self.rows_at] + ", ".join([self.row] * n) + self.sql[self.rows_at + len(self.row):]
+
+
+_COMPILED: dict[tuple[str, str, str, tuple[str, ...]], _Compiled] = {}
+ROWS_PER_INSERT = 256  # at 16 columns, far below SQLite's 32,766 parameters per statement
 
 
 def _execute_many(conn: Connection, name: str, build: Callable[[Connection], Executable],
@@ -246,16 +259,33 @@ def _execute_many(conn: Connection, name: str, build: Callable[[Connection], Exe
 
 def _execute_same(conn: Connection, name: str, build: Callable[[Connection], Executable],
                   keys: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+    """Rows with the same keys. An INSERT whose driver takes parameters by position (SQLite's)
+    goes as one statement of many rows: the driver lets go of the interpreter lock for every
+    statement it runs, and under load each row's statement then waited for the event loop to
+    hand the lock back (and took it from the loop once more)."""
     found = _COMPILED.get(cache := (conn.dialect.name, conn.dialect.paramstyle, name, keys))
     if found is None:
-        compiled = build(conn).compile(dialect=conn.dialect, column_keys=list(keys))
-        order = tuple(compiled.positiontup) if compiled.positiontup is not None else None
-        found = _COMPILED[cache] = (str(compiled), order)
-    sql, order = found
+        found = _COMPILED[cache] = _compile(conn, build(conn), keys)
+    order = found.order
     if order is None:
-        conn.exec_driver_sql(sql, rows)
+        conn.exec_driver_sql(found.sql, rows)
+    elif found.rows_at < 0:
+        conn.exec_driver_sql(found.sql, [tuple(row[k] for k in order) for row in rows])
     else:
-        conn.exec_driver_sql(sql, [tuple(row[k] for k in order) for row in rows])
+        for at in range(0, len(rows), ROWS_PER_INSERT):
+            chunk = rows[at:at + ROWS_PER_INSERT]
+            conn.exec_driver_sql(found.many_rows(len(chunk)), tuple(row[k] for row in chunk for k in order))
+
+
+def _compile(conn: Connection, stmt: Executable, keys: tuple[str, ...]) -> _Compiled:
+    compiled = stmt.compile(dialect=conn.dialect, column_keys=list(keys))
+    sql = str(compiled)
+    if compiled.positiontup is None:
+        return _Compiled(sql, None)
+    order = tuple(compiled.positiontup)
+    row = "(" + ", ".join("?" * len(order)) + ")"
+    rows_at = sql.find(" VALUES " + row) if isinstance(stmt, Insert) and sql.count("?") == len(order) else -1
+    return _Compiled(sql, order, rows_at + len(" VALUES ") if rows_at >= 0 else -1, row)
 
 
 def _lease_key(op: Op) -> tuple[str, str, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import URL, insert
+from sqlalchemy import URL, event, insert
 
 import crossbar.backend as backend_mod
 from crossbar.schema import EVENTS
@@ -550,3 +550,26 @@ def test_rows_go_to_the_driver_as_sqlalchemy_would_write_them(store: Store) -> N
     [row] = store.requests_since(T0)
     assert (row.started, row.streamed, row.queued_ms, row.prompt_tokens, row.cached_tokens, row.host) == (
         T0 + 0.5, True, 3, 7, None, None)
+
+
+def test_a_batch_of_request_rows_is_one_statement_not_one_per_row(db_path: Path) -> None:
+    """SQLite's driver lets go of the interpreter lock for every statement it runs: one statement per
+    row made the writer take the lock back from the event loop once per row under load."""
+    s = Store(str(db_path))
+    s.open()
+    inserts: list[tuple[bool, int]] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool) -> None:
+        if statement.startswith("INSERT INTO requests"):
+            inserts.append((many, statement.count("(?")))
+
+    assert s._writer is not None
+    event.listen(s._writer, "before_cursor_execute", seen)
+    for i in range(300):  # enqueued before the writer starts: one batch
+        s.record_request({"route": "r", "fp": f"f{i}", "model": "m", "started": T0 + i, "queued_ms": 0,
+                          "total_ms": 1, "streamed": False})
+    s.start()
+    assert s.flush()
+    assert inserts == [(False, 256), (False, 44)]
+    assert [r.fp for r in s.requests_since(T0)] == [f"f{i}" for i in range(300)]
+    s.close()
