@@ -229,19 +229,20 @@ class Router:
         fleet = self.fleet
 
         def candidate(name: str) -> Candidate:
-            slots = fleet.capacity(name, fleet.slot_key(name, model))
+            key, conf = fleet.slot_key(name, model), fleet.conf_of(name)
+            running = self.limiter.in_flight(name, key)
             return Candidate(
                 name=name,
                 healthy=fleet.healthy(name),
                 draining=fleet.draining(name),
                 loaded=bool(model) and fleet.loaded(name, model),
-                listed=fleet.conf_of(name).serves(model),
-                free_slots=fleet.free_slots(name, model, self.in_flight(name, model)),
-                weight=fleet.conf_of(name).weight,
-                queued=self.queued(name, model),
+                listed=conf.serves(model),
+                free_slots=fleet.free_slots(name, model, running),
+                weight=conf.weight,
+                queued=self.limiter.queued(name, key),
                 order=route.hosts.index(name),
-                slots=slots,
-                in_flight=self.in_flight(name, model),
+                slots=fleet.capacity(name, key),
+                in_flight=running,
                 active_leases=self.leases.active_on(name),
                 recent_busy=self.meter.busy(name),
             )
