@@ -344,7 +344,12 @@ class Reader(Protocol):
 
 class ClientReader:
     """Stands in for a client connection's reader: applies `RequestFramer` and the head timeouts,
-    and answers a refusal itself (mitmproxy then sees the connection end)."""
+    and answers a refusal itself (mitmproxy then sees the connection end).
+
+    The deadline moves with every chunk of a body, so it is kept by one timer per connection that
+    is only moved when it fires early: a timed read per chunk cost a timer scheduled and
+    cancelled every 64 KiB. When the deadline has passed, the timer cancels the read it finds
+    waiting, which then ends as a timeout."""
 
     def __init__(self, inner: Reader, writer: Any, framer: RequestFramer, head_timeout_s: float,
                  idle_timeout_s: float, body_timeout_s: float, on_refusal: Callable[[Refusal], None],
@@ -359,6 +364,9 @@ class ClientReader:
         self.body_bytes = 0  # passed on since the last head began (the head included)
         self.answered = 0  # answers mitmproxy has written on this connection
         self._answer = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading: asyncio.Task[Any] | None = None  # the task waiting in `_read`, if any
+        self._expired = False  # the timer cancelled that read
 
     def answer_written(self) -> None:
         self.answered += 1
@@ -378,6 +386,7 @@ class ClientReader:
                     continue  # no deadline yet (or a later one): look again
                 return await self._refuse(self._timed_out())
             if not data:
+                self._disarm()
                 return b""
             heads_before, head_was_started = self.framer.heads, self.framer.head_started
             out, refusal = self.framer.feed(data)
@@ -403,9 +412,56 @@ class ClientReader:
         if self._pending is not None:
             await self._refuse(self._pending)
             return b""
+        if self.deadline is not None and self.clock() >= self.deadline:
+            raise TimeoutError
+        task = asyncio.current_task()
+        if task is None:
+            return await asyncio.wait_for(self.inner.read(n), self._wait())
+        self._reading = task
+        self._arm()
+        try:
+            return await self.inner.read(n)
+        except asyncio.CancelledError:
+            if self._expired:
+                self._expired = False
+                if task.uncancel() == 0:  # the timer's cancellation alone: a timeout
+                    raise TimeoutError from None
+            raise
+        finally:
+            self._reading = None
+
+    def _wait(self) -> float:
         # a read without a deadline still wakes now and then: `response_done` may have set one
-        wait = DEADLINE_CHECK if self.deadline is None else max(0.0, self.deadline - self.clock())
-        return await asyncio.wait_for(self.inner.read(n), wait)
+        return DEADLINE_CHECK if self.deadline is None else max(0.0, self.deadline - self.clock())
+
+    def _arm(self) -> None:
+        """Have the timer fire by the deadline: a later deadline leaves it as it is (it looks again
+        when it fires), an earlier one moves it."""
+        if self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        when = loop.time() + self._wait()
+        if self._timer is not None:
+            if self._timer.when() <= when:
+                return
+            self._timer.cancel()
+        self._timer = loop.call_at(when, self._check)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        """The timer fired: time out the read waiting past the deadline, else look again later."""
+        self._timer = None
+        if self._reading is None or self.closed:
+            return  # no read waits: the next one arms the timer again
+        if self.deadline is not None and self.clock() >= self.deadline:
+            self._expired = True
+            self._reading.cancel()
+        else:
+            self._arm()
 
     def _track_deadline(self, heads_before: int, head_was_started: bool) -> None:
         completed = self.framer.heads != heads_before
@@ -421,6 +477,7 @@ class ClientReader:
         """Answer (when there is something to say), let the client finish sending so it sees the
         answer, and end the stream for mitmproxy."""
         self.closed = True
+        self._disarm()
         if refusal is not None:
             self.on_refusal(refusal)
             # HTTP/1.1 answers in order: every request passed on whole is answered before this

@@ -24,6 +24,7 @@ from mitmproxy.net.http.http1 import read_request_head
 from crossbar.limits import (
     ChunkCounter,
     ClientReader,
+    Refusal,
     RequestFramer,
     ResponseHeadFramer,
     _head_end,
@@ -443,6 +444,67 @@ def test_a_pipelined_stream_passes_on_whole_however_it_is_cut(heads: list[bytes]
         assert refusal is None
         out += got
     assert out == stream and framer.whole == len(heads) and not framer.head_started
+
+
+class TimerCount:
+    """Counts the timers a running loop is asked for."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.count = loop, 0
+        self.call_at, self.call_later = loop.call_at, loop.call_later
+
+    def __enter__(self) -> TimerCount:
+        def call_at(*args: Any, **kw: Any) -> asyncio.TimerHandle:
+            self.count += 1
+            return self.call_at(*args, **kw)
+
+        def call_later(*args: Any, **kw: Any) -> asyncio.TimerHandle:
+            self.count += 1
+            return self.call_later(*args, **kw)
+
+        self.loop.call_at, self.loop.call_later = call_at, call_later  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.loop.call_at, self.loop.call_later
+
+
+async def test_a_body_read_chunk_by_chunk_costs_one_timer_not_one_per_chunk() -> None:
+    body = asyncio.StreamReader()
+    reader = ClientReader(body, ListWriter(), RequestFramer(max_head=1024, max_body=1 << 30), 10, 10, 10,
+                          lambda _: None)
+    body.feed_data(b"POST /a HTTP/1.1\r\nContent-Length: 10000000\r\n\r\n")
+    with TimerCount(asyncio.get_running_loop()) as timers:
+        await reader.read(65536)
+        for _ in range(100):  # each chunk moves the body deadline on
+            body.feed_data(b"x" * 1000)
+            assert await reader.read(65536) == b"x" * 1000
+    assert timers.count <= 1
+
+
+async def test_a_stalled_body_times_out_and_the_client_is_answered() -> None:
+    refusals: list[Refusal] = []
+    writer = ListWriter()
+    reader = ClientReader(FeedReader(b"POST /a HTTP/1.1\r\nContent-Length: 10\r\n\r\n", b"12"), writer,
+                          RequestFramer(max_head=1024, max_body=100), 10, 10, 0.2, refusals.append)
+    assert (await reader.read()).endswith(b"\r\n\r\n")
+    assert await reader.read() == b"12"
+    started = time.monotonic()
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    assert 0.15 < time.monotonic() - started < 3
+    assert [r.status for r in refusals] == [408] and writer.written[0].startswith(b"HTTP/1.1 408")
+
+
+async def test_cancelling_a_waiting_read_is_not_taken_for_a_timeout() -> None:
+    reader = ClientReader(FeedReader(), ListWriter(), RequestFramer(max_head=1024, max_body=100),
+                          0.05, 10, 10,
+                          lambda _: None)
+    waiting = asyncio.ensure_future(reader.read())
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not reader.closed  # the head deadline had not passed: nothing was refused
 
 
 def test_tls_and_http2_pass_untouched() -> None:
