@@ -3,12 +3,12 @@ cannot.
 
 Every completion's body is parsed on the event loop before it can be placed (and every small
 answer for its usage): that parse is most of what crossbar adds to a large request's time to
-first byte. orjson reads the bytes as they arrived (no decoded copy of the whole body first) two
-to three times faster than `json`. Where it refuses a text that `json` reads (a lone surrogate
+first byte. orjson reads the bytes as they arrived (no decoded copy of the whole body first)
+about twice as fast as `json`. Where it refuses a text that `json` reads (a lone surrogate
 escape, an integer too large for a double, nesting deeper than 1024 levels), the text goes to
 the standard library, so what crossbar accepts and refuses, and every error message, stay as
-they were. The one difference in what is read: an integer beyond 64 bits becomes a float.
-Nothing crossbar takes from a body is such a number.
+they were. The one difference in what is read: an integer beyond 64 bits becomes a float, which
+changes only the byte count of a tool definition that holds one.
 """
 
 from __future__ import annotations

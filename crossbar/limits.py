@@ -346,10 +346,10 @@ class ClientReader:
     """Stands in for a client connection's reader: applies `RequestFramer` and the head timeouts,
     and answers a refusal itself (mitmproxy then sees the connection end).
 
-    The deadline moves with every chunk of a body, so it is kept by one timer per connection that
-    is only moved when it fires early: a timed read per chunk cost a timer scheduled and
-    cancelled every 64 KiB. When the deadline has passed, the timer cancels the read it finds
-    waiting, which then ends as a timeout."""
+    The deadline moves on with every chunk of a body, so it is kept by one timer per connection,
+    moved only when it fires early (it looks again) or the deadline comes sooner: a timed read per
+    chunk cost a timer scheduled and cancelled every 64 KiB. When the deadline has passed, the
+    timer cancels the read it finds waiting, which then ends as a timeout."""
 
     def __init__(self, inner: Reader, writer: Any, framer: RequestFramer, head_timeout_s: float,
                  idle_timeout_s: float, body_timeout_s: float, on_refusal: Callable[[Refusal], None],
@@ -428,7 +428,7 @@ class ClientReader:
                     raise TimeoutError from None
             raise
         finally:
-            self._reading = None
+            self._reading, self._expired = None, False
 
     def _wait(self) -> float:
         # a read without a deadline still wakes now and then: `response_done` may have set one
