@@ -7,8 +7,9 @@ first byte. orjson reads the bytes as they arrived (no decoded copy of the whole
 about twice as fast as `json`. Where it refuses a text that `json` reads (a lone surrogate
 escape, an integer too large for a double, nesting deeper than 1024 levels), the text goes to
 the standard library, so what crossbar accepts and refuses, and every error message, stay as
-they were. The one difference in what is read: an integer beyond 64 bits becomes a float, which
-changes only the byte count of a tool definition that holds one.
+they were. What differs is only in the prompt size estimate, by a few bytes: an integer beyond
+64 bits reads as a float (so such a token id counts no bytes), and a tool definition's numbers
+are counted as orjson writes them (`2.5e-05` as `0.000025`).
 """
 
 from __future__ import annotations

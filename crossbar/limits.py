@@ -417,15 +417,14 @@ class ClientReader:
         task = asyncio.current_task()
         if task is None:
             return await asyncio.wait_for(self.inner.read(n), self._wait())
-        self._reading = task
+        self._reading, cancelling = task, task.cancelling()
         self._arm()
         try:
             return await self.inner.read(n)
         except asyncio.CancelledError:
-            if self._expired:
-                self._expired = False
-                if task.uncancel() == 0:  # the timer's cancellation alone: a timeout
-                    raise TimeoutError from None
+            if self._expired and task.uncancel() <= cancelling:  # the timer's cancellation alone
+                raise TimeoutError from None
+            self._disarm()  # cancelled from outside: the connection is going away
             raise
         finally:
             self._reading, self._expired = None, False

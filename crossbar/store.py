@@ -230,8 +230,8 @@ def _usage(key: str, since: float) -> Select[Any]:
 @dataclass(frozen=True, slots=True)
 class _Compiled:
     sql: str
-    order: tuple[str, ...] | None  # the parameters' order, for a driver that takes them by position
-    rows_at: int = -1  # where the VALUES row `row` sits in `sql` (an INSERT by position), else -1
+    order: tuple[str, ...]  # the parameters' names in the order the statement takes them
+    rows_at: int = -1  # where the VALUES row `row` sits in `sql` (an INSERT), else -1
     row: str = ""
 
     def many_rows(self, n: int) -> str:
@@ -239,53 +239,59 @@ class _Compiled:
         return self.sql[:self.rows_at] + ", ".join([self.row] * n) + self.sql[self.rows_at + len(self.row):]
 
 
-_COMPILED: dict[tuple[str, str, str, tuple[str, ...]], _Compiled] = {}
-ROWS_PER_INSERT = 256  # at 16 columns, far below SQLite's 32,766 parameters per statement
+_COMPILED: dict[tuple[str, tuple[str, ...]], _Compiled] = {}
+ROWS_PER_INSERT = 256
 
 
 def _execute_many(conn: Connection, name: str, build: Callable[[Connection], Executable],
                   rows: list[dict[str, Any]]) -> None:
-    """`conn.execute(build(conn), rows)`, with the statement compiled once per dialect and set of
-    keys and handed to the driver's executemany as it is. SQLAlchemy's own processing of each
-    row's parameters took more of the writer thread (and of the interpreter lock the event loop
-    needs) than the database did. Values are the driver's native types already (the enqueueing
-    side normalises them), so no type conversion is skipped."""
+    """`conn.execute(build(conn), rows)`. On SQLite the statement is compiled once per set of keys
+    and handed to the driver as it is, and an INSERT goes as one statement of many rows.
+    SQLAlchemy's processing of each row's parameters took more of the writer thread (and of the
+    interpreter lock the event loop needs) than the database did; and the driver lets go of the
+    lock for every statement it runs, so with one statement per row the writer, under load, took
+    the lock back from the event loop once per row. Values are the driver's native types already
+    (the enqueueing side normalises them), so no type conversion is skipped."""
+    if conn.dialect.name != "sqlite":
+        conn.execute(build(conn), rows)
+        return
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault(tuple(row), []).append(row)
     for keys, same in groups.items():
-        _execute_same(conn, name, build, keys, same)
+        found = _COMPILED.get((name, keys))
+        if found is None:
+            found = _COMPILED[(name, keys)] = _compile(conn, build(conn), keys)
+        _execute_compiled(conn, found, same)
 
 
-def _execute_same(conn: Connection, name: str, build: Callable[[Connection], Executable],
-                  keys: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
-    """Rows with the same keys. An INSERT whose driver takes parameters by position (SQLite's)
-    goes as one statement of many rows: the driver lets go of the interpreter lock for every
-    statement it runs, and under load each row's statement then waited for the event loop to
-    hand the lock back (and took it from the loop once more)."""
-    found = _COMPILED.get(cache := (conn.dialect.name, conn.dialect.paramstyle, name, keys))
-    if found is None:
-        found = _COMPILED[cache] = _compile(conn, build(conn), keys)
+def _execute_compiled(conn: Connection, found: _Compiled, rows: list[dict[str, Any]]) -> None:
     order = found.order
-    if order is None:
-        conn.exec_driver_sql(found.sql, rows)
-    elif found.rows_at < 0:
+    if found.rows_at < 0:
         conn.exec_driver_sql(found.sql, [tuple(row[k] for k in order) for row in rows])
-    else:
-        for at in range(0, len(rows), ROWS_PER_INSERT):
-            chunk = rows[at:at + ROWS_PER_INSERT]
-            conn.exec_driver_sql(found.many_rows(len(chunk)), tuple(row[k] for row in chunk for k in order))
+        return
+    per_statement = max(1, min(ROWS_PER_INSERT, _variable_limit(conn) // len(order)))
+    for at in range(0, len(rows), per_statement):
+        chunk = rows[at:at + per_statement]
+        conn.exec_driver_sql(found.many_rows(len(chunk)), tuple(row[k] for row in chunk for k in order))
+
+
+def _variable_limit(conn: Connection) -> int:
+    """How many parameters one statement may take on this SQLite connection (999 on builds
+    before 3.32)."""
+    try:
+        return int(conn.connection.driver_connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
+    except (AttributeError, sqlite3.Error):
+        return 999
 
 
 def _compile(conn: Connection, stmt: Executable, keys: tuple[str, ...]) -> _Compiled:
+    """`stmt` compiled for SQLite (parameters by position) for rows with `keys`."""
     compiled = stmt.compile(dialect=conn.dialect, column_keys=list(keys))
-    sql = str(compiled)
-    if compiled.positiontup is None:
-        return _Compiled(sql, None)
-    order = tuple(compiled.positiontup)
+    sql, order = str(compiled), tuple(compiled.positiontup or ())
     row = "(" + ", ".join("?" * len(order)) + ")"
-    rows_at = sql.find(" VALUES " + row) if isinstance(stmt, Insert) and sql.count("?") == len(order) else -1
-    return _Compiled(sql, order, rows_at + len(" VALUES ") if rows_at >= 0 else -1, row)
+    at = sql.find(" VALUES " + row) if isinstance(stmt, Insert) and sql.count("?") == len(order) else -1
+    return _Compiled(sql, order, at + len(" VALUES ") if at >= 0 else -1, row)
 
 
 def _lease_key(op: Op) -> tuple[str, str, str]:

@@ -505,6 +505,27 @@ async def test_cancelling_a_waiting_read_is_not_taken_for_a_timeout() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert not reader.closed  # the head deadline had not passed: nothing was refused
+    assert reader._timer is None  # nor does a timer keep the connection's reader alive
+
+
+async def test_a_deadline_times_out_a_read_on_a_task_cancelled_once_before() -> None:
+    """The timer's own cancellation is told apart from the task's earlier ones, as `asyncio.timeout`
+    does: a task that once swallowed a cancellation still gets its 408."""
+    refusals: list[Refusal] = []
+    reader = ClientReader(FeedReader(b"GET / HTTP/1.1\r\n"), ListWriter(),
+                          RequestFramer(max_head=1024, max_body=100), 0.2, 10, 10, refusals.append)
+
+    async def once_cancelled_then_read() -> bytes:
+        with suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+        assert await reader.read() == b""
+        return await reader.read()
+
+    task = asyncio.ensure_future(once_cancelled_then_read())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    assert await asyncio.wait_for(task, 5) == b""
+    assert [r.status for r in refusals] == [408]
 
 
 def test_tls_and_http2_pass_untouched() -> None:

@@ -573,3 +573,24 @@ def test_a_batch_of_request_rows_is_one_statement_not_one_per_row(db_path: Path)
     assert inserts == [(False, 256), (False, 44)]
     assert [r.fp for r in s.requests_since(T0)] == [f"f{i}" for i in range(300)]
     s.close()
+
+
+def test_a_batch_stays_within_the_connections_parameter_limit(db_path: Path) -> None:
+    """SQLite builds before 3.32 take 999 parameters per statement: a multi-row INSERT is cut to
+    fit, instead of failing and being retried a row at a time."""
+    s = Store(str(db_path))
+    s.open()
+    assert s._writer is not None
+
+    def small_limit(dbapi_conn: Any, record: Any) -> None:
+        dbapi_conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+
+    event.listen(s._writer, "connect", small_limit)
+    s._writer.dispose()  # connections made from now on take the limit
+    for i in range(300):
+        s.record_request({"route": "r", "fp": f"f{i}", "model": "m", "started": T0 + i, "queued_ms": 0,
+                          "total_ms": 1, "streamed": False})
+    s.start()
+    assert s.flush()
+    assert s.errors == 0 and len(s.requests_since(T0)) == 300
+    s.close()
