@@ -24,3 +24,8 @@ def value[D](headers: http.Headers, name: bytes, default: D) -> str | D:
 def has(headers: http.Headers, name: bytes) -> bool:
     """`name in headers`."""
     return any(key.lower() == name for key, _ in headers.fields)
+
+
+def event_stream(headers: http.Headers) -> bool:
+    """Whether the message is a server-sent event stream (its Content-Type says so)."""
+    return value(headers, b"content-type", "").startswith("text/event-stream")

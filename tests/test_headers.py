@@ -22,3 +22,9 @@ def test_lookups_answer_as_mitmproxy_headers(fields: list[tuple[bytes, bytes]], 
     assert headers.value(h, wanted, None) == h.get(name)
     assert headers.value(h, wanted, "") == h.get(name, "")
     assert headers.has(h, wanted) == (name in h)
+
+
+def test_an_event_stream_is_told_by_its_content_type() -> None:
+    assert headers.event_stream(http.Headers(content_type="text/event-stream; charset=utf-8"))
+    assert not headers.event_stream(http.Headers(content_type="application/json"))
+    assert not headers.event_stream(http.Headers())

@@ -38,7 +38,7 @@ class Account:
         ex = exchange_of(flow)
         if ex is None or flow.metadata.get(LOCAL) or flow.response is None or ex.retry_pending:
             return
-        if headers.value(flow.response.headers, b"content-type", "").startswith("text/event-stream"):
+        if headers.event_stream(flow.response.headers):
             ex.tap = SSETap()
             flow.response.stream = ex.tap
         elif flow.response.stream:  # mitmproxy streams a body past its buffering bound

@@ -18,7 +18,7 @@ import aiohttp
 from mitmproxy import http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from crossbar import errors
+from crossbar import errors, headers
 from crossbar.addons.runtime import LOCAL, Runtime, answer_failed, close_socket, exchange_of
 from crossbar.decisions import Reason, Rejection
 from crossbar.errors import CrossbarError
@@ -207,7 +207,7 @@ class Failover:
             ex.err = "client left during the retry"
             return
         try:
-            new_status, headers, body = retry.result()
+            new_status, answer_headers, body = retry.result()
         except AnswerTooLarge as exc:
             rt.answer(flow, CrossbarError(502, "bad_gateway", f"{exc} (2 x max_body + 1 MiB)",
                                           reason=Rejection.UPSTREAM_TOO_LARGE), ex)
@@ -219,14 +219,14 @@ class Failover:
         if new_status in PASSIVE_DOWN_STATUSES:
             router.passive_mark(ex.host, f"answered {new_status}")
         ex.ttfb_ms = ex.elapsed_ms()  # the client gets its first byte now, with the whole answer
-        fields = [(_header_bytes(k), _header_bytes(v)) for k, v in headers]
+        fields = [(_header_bytes(k), _header_bytes(v)) for k, v in answer_headers]
         flow.response = http.Response.make(new_status, b"", http.Headers(fields))
         flow.response.raw_content = body  # as received: never encoded a second time
         flow.response.headers["Content-Length"] = str(len(body))
         flow.response.headers["X-Crossbar-Retried"] = "1"
         if ex.ctx_moved:
             flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
-        if flow.response.headers.get("content-type", "").startswith("text/event-stream"):
+        if headers.event_stream(flow.response.headers):
             tap = SSETap()
             tap(body)
             tap(b"")

@@ -93,4 +93,3 @@ class Route:
         names = await self.rt.caller_names(flow)
         if not admitted(route.peers, names):
             raise errors.forbidden(f"route {route.name!r} is not open to this caller")
-
