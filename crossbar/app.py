@@ -229,19 +229,20 @@ class Router:
         fleet = self.fleet
 
         def candidate(name: str) -> Candidate:
-            key, conf = fleet.slot_key(name, model), fleet.conf_of(name)
-            running = self.limiter.in_flight(name, key)
+            st, conf = fleet.state[name], fleet.conf_of(name)
+            key = model if st.router else ""
+            running, slots = self.limiter.in_flight(name, key), fleet.capacity(name, key)
             return Candidate(
                 name=name,
-                healthy=fleet.healthy(name),
-                draining=fleet.draining(name),
+                healthy=st.healthy,
+                draining=st.draining,
                 loaded=bool(model) and fleet.loaded(name, model),
-                listed=conf.serves(model),
-                free_slots=fleet.free_slots(name, model, running),
+                listed=model in conf.models,
+                free_slots=fleet.free_slots(name, model, running, slots),
                 weight=conf.weight,
                 queued=self.limiter.queued(name, key),
                 order=route.hosts.index(name),
-                slots=fleet.capacity(name, key),
+                slots=slots,
                 in_flight=running,
                 active_leases=self.leases.active_on(name),
                 recent_busy=self.meter.busy(name),
@@ -696,11 +697,21 @@ class Lazy[T](Mapping[str, T]):
         self._keys, self._make, self._got = keys, make, dict[str, T]()
 
     def __getitem__(self, key: str) -> T:
-        if key not in self._got:
+        try:
+            return self._got[key]
+        except KeyError:
             if key not in self._keys:
-                raise KeyError(key)
-            self._got[key] = self._make(key)
-        return self._got[key]
+                raise
+        value = self._got[key] = self._make(key)
+        return value
+
+    # Mapping's own `get` and `in` go through `__getitem__` and its KeyError: placement asks these
+    # for every request
+    def get(self, key: str, default: T | None = None) -> T | None:  # type: ignore[override]
+        return self[key] if key in self._keys else default
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)

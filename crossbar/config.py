@@ -75,6 +75,12 @@ class HostConf:
     weight: float = 1.0
     models: Mapping[str, ModelConf] = field(default_factory=lambda: MappingProxyType({}))
     wake: WakeConf | None = None
+    # the largest `parallel` of its models (None: none set): a single server's shared slots
+    max_parallel: int | None = field(init=False, default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        largest = max((m.parallel for m in self.models.values() if m.parallel), default=None)
+        object.__setattr__(self, "max_parallel", largest)
 
     def serves(self, model: str) -> bool:
         return model in self.models

@@ -227,15 +227,15 @@ class Fleet:
         if model:
             mconf = conf.models.get(model)
             return mconf.parallel if mconf is not None else None
-        return max((m.parallel for m in conf.models.values() if m.parallel), default=None)
+        return conf.max_parallel
 
-    def free_slots(self, host: str, model: str, in_flight: int) -> int:
+    def free_slots(self, host: str, model: str, in_flight: int, capacity: int | None = None) -> int:
         """Free slots from the host's own `/slots` when known, never more than our own view.
         A slot the reading saw busy with one of crossbar's own requests that has ended since is
-        counted free again."""
+        counted free again. `capacity`: the slot key's, when the caller has it already."""
         st = self.state[host]
-        key = self.slot_key(host, model)
-        ours = self.capacity(host, key) - in_flight
+        key = model if st.router else ""
+        ours = (self.capacity(host, key) if capacity is None else capacity) - in_flight
         reported = st.free_slots.get(key)
         if reported is None:
             return max(0, ours)

@@ -29,6 +29,8 @@ MIN_GEN_SAMPLE = 8  # generated tokens, likewise
 
 def _figure(timings: Mapping[str, Any], key: str, limit: float) -> float | None:
     value = timings.get(key)
+    if type(value) is float or type(value) is int:  # the usual case; NaN and infinities fail here
+        return float(value) if 0 <= value <= limit else None
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     value = float(value)

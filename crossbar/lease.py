@@ -22,7 +22,7 @@ import operator
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from crossbar.decisions import Decision, Reason
 from crossbar.placement import Change, LeaseChange, LeaseView
@@ -42,8 +42,10 @@ class UnknownHost(Exception):
     """The host is not one of the route's candidates."""
 
 
-@dataclass(frozen=True, slots=True)
-class Key:
+class Key(NamedTuple):
+    """A conversation: (route, fingerprint, model). A tuple, so that the lookups every request
+    makes in the lease tables hash and compare it in C."""
+
     route: str
     fp: str
     model: str

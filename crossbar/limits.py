@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -110,21 +111,24 @@ def _head_end(buf: bytes | bytearray, start: int = 0, stop: int | None = None) -
     return min(ends) if ends else -1
 
 
+# a Content-Length or Transfer-Encoding field of a head (never its first line): the name as
+# `bytes.strip()` leaves it, compared without case, then the value up to the end of its line
+_FRAMING_FIELD = re.compile(rb"\n[ \t\r\x0b\x0c]*(content-length|transfer-encoding)[ \t\r\x0b\x0c]*:([^\n]*)",
+                            re.IGNORECASE)
+
+
 def body_framing(head: bytes) -> tuple[str, int]:
     """(LENGTH, n), (CHUNKED, 0), (HEAD, 0) for no body, or (PASS, 0) for framing mitmproxy will
     refuse itself (conflicting or malformed lengths)."""
     length: bytes | None = None
     encoding: bytes | None = None
-    for line in head.split(b"\n")[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep:
-            continue
-        name, value = name.strip().lower(), value.strip()
-        if name == b"transfer-encoding":
+    for field_ in _FRAMING_FIELD.finditer(head):
+        name, value = field_.group(1), field_.group(2).strip()
+        if len(name) == len(b"transfer-encoding"):
             encoding = value.lower()
-        elif name == b"content-length":
-            if length is not None and length != value:
-                return PASS, 0
+        elif length is not None and length != value:
+            return PASS, 0
+        else:
             length = value
     if encoding is not None:
         return (CHUNKED, 0) if encoding.endswith(b"chunked") else (PASS, 0)

@@ -223,7 +223,7 @@ def _resolved(route: RouteConf, path: str, raw_query: str) -> Resolved:
     `autoload=false` so that no client makes a llama-server router load a model; every other
     parameter, `autoload` included, is dropped."""
     model = next((value for name, value in parse_qsl(raw_query, keep_blank_values=True)
-                  if name == "model"), "")
+                  if name == "model"), "") if raw_query else ""
     if not model:
         return Resolved(route=route, path=path, query="")
     check_model(model, "query parameter 'model'")
@@ -483,7 +483,10 @@ class _ChatTally:
         if not isinstance(role, str):
             raise bad_request(f"messages[{self.count}].role must be a string")
         content = message.get("content")
-        self.prompt_bytes += _utf8_len(role) + _content_text_bytes(content, f"messages[{self.count}]")
+        if isinstance(content, str):  # the usual case, without building the error's location
+            self.prompt_bytes += _utf8_len(role) + _utf8_len(content)
+        else:
+            self.prompt_bytes += _utf8_len(role) + _content_text_bytes(content, f"messages[{self.count}]")
         if "tool_calls" in message:
             self.prompt_bytes += _tool_call_bytes(message["tool_calls"])
         if self.system is None and role in SYSTEM_ROLES:

@@ -63,6 +63,8 @@ class _Figures:
 
     def count(self, value: Any) -> int | None:
         """A token count: an int in 0..MAX_TOKENS (an integral float is accepted), else None."""
+        if type(value) is int and 0 <= value <= MAX_TOKENS:  # the usual case, first
+            return value
         if value is None:
             return None
         if isinstance(value, float) and value.is_integer():
@@ -73,6 +75,8 @@ class _Figures:
         return None
 
     def millis(self, value: Any) -> float | None:
+        if type(value) is float and 0 <= value <= MAX_MILLIS:  # the usual case; NaN fails here
+            return value
         if value is None:
             return None
         if isinstance(value, int | float) and not isinstance(value, bool):
@@ -95,14 +99,14 @@ def usage_from_object(obj: Mapping[str, Any]) -> Usage | None:
     """
     usage = obj.get("usage")
     timings = obj.get("timings")
-    usage = usage if isinstance(usage, Mapping) else None
-    timings = timings if isinstance(timings, Mapping) else None
+    usage = usage if isinstance(usage, dict) else None  # parsed JSON: objects are dicts
+    timings = timings if isinstance(timings, dict) else None
     if usage is None and timings is None:
         return None
     usage = usage or {}
     timings = timings or {}
     details = usage.get("prompt_tokens_details")
-    details = details if isinstance(details, Mapping) else {}
+    details = details if isinstance(details, dict) else {}
     fig = _Figures()
     prompt_n = fig.count(timings.get("prompt_n"))
     cache_n = fig.count(timings.get("cache_n"))

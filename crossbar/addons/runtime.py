@@ -73,7 +73,8 @@ class Runtime:
                                      reason=Rejection.IDENTITY) from exc
 
     def gone_event(self, flow: http.HTTPFlow) -> asyncio.Event:
-        return self.gone.setdefault(flow.client_conn, asyncio.Event())
+        event = self.gone.get(flow.client_conn)
+        return self.gone.setdefault(flow.client_conn, asyncio.Event()) if event is None else event
 
     def answer(self, flow: http.HTTPFlow, exc: CrossbarError, ex: Exchange | None) -> None:
         """crossbar's own JSON error answer, counted by its reason."""
