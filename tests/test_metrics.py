@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from accounting_util import host, parse_exposition, scrape, send_turn, summed, total
 from harness import (
     Proxy,
@@ -187,13 +188,21 @@ async def test_lease_moves_count_every_lease_event_by_reason(tmp_path: Path) -> 
     assert summed(samples, "crossbar_lease_moves_total") == sum(events.values()) - events["drain"]
 
 
-def test_a_remembered_series_is_the_one_prometheus_exposes() -> None:
+def test_a_series_is_kept_per_family_and_label_values() -> None:
     m = Metrics()
-    first = m.child(m.requests, "r", "h1", "200")
-    assert m.child(m.requests, "r", "h1", "200") is first is m.requests.labels("r", "h1", "200")
-    first.inc()
-    m.child(m.requests, "r", "h1", "200").inc(2)
-    m.child(m.tokens, "r", "h1", "200").inc(5)  # same values, another metric: another series
+    m.requests.inc(("r", "h1", "200"))
+    m.requests.inc(("r", "h1", "200"), 2)
+    m.tokens.inc(("r", "h1", "200"), 5)  # same values, another metric: another series
     text = m.exposition().decode()
     assert 'crossbar_requests_total{host="h1",route="r",status="200"} 3.0' in text
     assert 'crossbar_tokens_total{host="h1",route="r",type="200"} 5.0' in text
+
+
+def test_a_series_needs_a_value_for_every_label() -> None:
+    m = Metrics()
+    with pytest.raises(ValueError):
+        m.requests.inc(("r", "h1"))
+    with pytest.raises(ValueError):
+        m.ttfb.observe(("h1", "extra"), 0.1)
+    assert b"crossbar_requests_total{" not in m.exposition()
+
