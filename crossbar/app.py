@@ -407,8 +407,7 @@ class Router:
             self._stop_waiting(where, ex)
             ex.queued_ms += int((time.monotonic() - waiting_since) * 1000)
         ex.hold_slot(ticket, release)
-        m = self.metrics
-        m.child(m.queue_wait, ex.host, self.model_label(ex.model)).observe(ticket.queued_s)
+        self.metrics.queue_wait.observe((ex.host, self.model_label(ex.model)), ticket.queued_s)
 
     async def _fleet_slot(self, ex: Exchange, ticket: Ticket, key: str,
                           gone: asyncio.Event | None) -> Callable[[Ticket], None]:
@@ -578,7 +577,7 @@ class Router:
     # ------------------------------------------------------------ the ending
 
     def rejected(self, reason: Rejection) -> None:
-        self.metrics.child(self.metrics.rejected, str(reason)).inc()
+        self.metrics.rejected.inc((str(reason),))
 
     def finish(self, ex: Exchange) -> None:
         """The request's one ending: its row and metrics, then everything it held is given back.
@@ -596,9 +595,9 @@ class Router:
         host = ex.host or ""
         route = self.route_label(ex.route)
         m = self.metrics
-        m.child(m.requests, route, host, str(ex.status or 0)).inc()
+        m.requests.inc((route, host, str(ex.status or 0)))
         if ex.ttfb_ms is not None:
-            m.child(m.ttfb, host).observe(ex.ttfb_ms / 1000)
+            m.ttfb.observe((host,), ex.ttfb_ms / 1000)
         u = ex.usage
         if u is None:
             return
@@ -606,13 +605,13 @@ class Router:
         self._learn_rates(ex, host, u)
         if u.dropped:
             log.warning("%s reported %d usage figure(s) out of range; stored as unknown", host, u.dropped)
-            m.child(m.usage_dropped, host).inc(u.dropped)
+            m.usage_dropped.inc((host,), u.dropped)
         for kind, value in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens),
                             ("completion", u.completion_tokens)):
             if value:
-                m.child(m.tokens, route, host, kind).inc(value)
+                m.tokens.inc((route, host, kind), value)
         if u.tokens_per_second:
-            m.child(m.generation_tps, host, self.model_label(ex.model)).observe(u.tokens_per_second)
+            m.generation_tps.observe((host, self.model_label(ex.model)), u.tokens_per_second)
 
     def _learn_rates(self, ex: Exchange, host: str, u: Usage) -> None:
         """Teach the rate learner what the reply's timings say (figures already range-checked)."""

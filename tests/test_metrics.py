@@ -4,11 +4,16 @@ moves with real traffic through a real crossbar in front of simulated llama-serv
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
+import re
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from accounting_util import host, parse_exposition, scrape, send_turn, summed, total
 from harness import (
     Proxy,
@@ -17,7 +22,11 @@ from harness import (
     lease_event_rows,
     wait_until,
 )
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import Counter as Counter_
+from prometheus_client import metrics as client_metrics
 
+from crossbar.decisions import Rejection
 from crossbar.metrics import LEASE_REASONS, CounterCollector, LiveCollector, Metrics
 
 FAMILIES = {
@@ -187,13 +196,118 @@ async def test_lease_moves_count_every_lease_event_by_reason(tmp_path: Path) -> 
     assert summed(samples, "crossbar_lease_moves_total") == sum(events.values()) - events["drain"]
 
 
-def test_a_remembered_series_is_the_one_prometheus_exposes() -> None:
+def test_a_series_is_kept_per_family_and_label_values() -> None:
     m = Metrics()
-    first = m.child(m.requests, "r", "h1", "200")
-    assert m.child(m.requests, "r", "h1", "200") is first is m.requests.labels("r", "h1", "200")
-    first.inc()
-    m.child(m.requests, "r", "h1", "200").inc(2)
-    m.child(m.tokens, "r", "h1", "200").inc(5)  # same values, another metric: another series
+    m.requests.inc(("r", "h1", "200"))
+    m.requests.inc(("r", "h1", "200"), 2)
+    m.tokens.inc(("r", "h1", "200"), 5)  # same values, another metric: another series
     text = m.exposition().decode()
     assert 'crossbar_requests_total{host="h1",route="r",status="200"} 3.0' in text
     assert 'crossbar_tokens_total{host="h1",route="r",type="200"} 5.0' in text
+
+
+def test_a_series_needs_a_value_for_every_label() -> None:
+    m = Metrics()
+    with pytest.raises(ValueError):
+        m.requests.inc(("r", "h1"))
+    with pytest.raises(ValueError):
+        m.ttfb.observe(("h1", "extra"), 0.1)
+    assert b"crossbar_requests_total{" not in m.exposition()
+
+
+# ---------------------------------------------------------------- the same text as prometheus-client's
+
+
+def client_library_metrics() -> tuple[CollectorRegistry, dict[str, Any]]:
+    """crossbar's counters and histograms as prometheus-client's own classes (what they were)."""
+    r = CollectorRegistry(auto_describe=True)
+    latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+    tps = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
+    families: dict[str, Any] = {
+        "requests": Counter_("crossbar_requests", "Proxied requests by route, host and status",
+                             ["route", "host", "status"], registry=r),
+        "tokens": Counter_("crossbar_tokens", "Tokens reported by the upstream (type: prompt, cached, "
+                           "completion)", ["route", "host", "type"], registry=r),
+        "queue_wait": Histogram("crossbar_queue_wait_seconds", "Time spent waiting for a slot",
+                                ["host", "model"], buckets=latency, registry=r),
+        "ttfb": Histogram("crossbar_ttfb_seconds", "Time from request to the upstream's first byte", ["host"],
+                          buckets=latency, registry=r),
+        "lease_moves": Counter_("crossbar_lease_moves", "Lease changes by reason (lease_events rows, drains "
+                                "excepted)", ["reason"], registry=r),
+        "generation_tps": Histogram("crossbar_generation_tokens_per_second", "Generation speed from "
+                                    "llama-server timings", ["host", "model"], buckets=tps, registry=r),
+        "rejected": Counter_("crossbar_rejected", "Requests crossbar answered itself with an error, by "
+                             "reason", ["reason"], registry=r),
+        "usage_dropped": Counter_("crossbar_usage_figures_dropped", "Usage figures from a host that were out "
+                                  "of range (stored as NULL)", ["host"], registry=r),
+    }
+    for reason in LEASE_REASONS:
+        families["lease_moves"].labels(reason)
+    for rejection in Rejection:
+        families["rejected"].labels(str(rejection))
+    return r, families
+
+
+def every_bucket(bounds: tuple[float, ...]) -> list[float]:
+    """Below the first bound, on every bound, between every two, above the last, and infinity."""
+    between = [(a + b) / 2 for a, b in itertools.pairwise(bounds)]
+    return [-1.0, 0.0, bounds[0] / 2, *bounds, *between, bounds[-1] * 1.5, math.inf]
+
+
+def updates(m: Metrics) -> list[tuple[str, str, tuple[str, ...], float]]:
+    """(family, inc|observe, label values, amount): several series per family, created out of
+    sorted order, some updated more than once."""
+    out: list[tuple[str, str, tuple[str, ...], float]] = []
+    for labels in [("r", "b", "200"), ("r", "a", "200"), ("other", "a", "503"), ("r", "b", "200")]:
+        out += [("requests", "inc", labels, 1), ("requests", "inc", labels, 2)]
+    for n, kind in enumerate(["prompt", "cached", "completion", "prompt"]):
+        out.append(("tokens", "inc", ("r", "b", kind), 1000 * n + 7))
+        out.append(("tokens", "inc", ("r", "a", kind), 0.1))  # float sums added in the same order
+    out += [("lease_moves", "inc", ("pin",), 1), ("lease_moves", "inc", ("new",), 3),
+            ("rejected", "inc", (str(Rejection.TOO_LARGE),), 1), ("usage_dropped", "inc", ("b",), 2),
+            ("usage_dropped", "inc", ("a",), 0)]
+    for family, labelsets in (("queue_wait", [("b", "m"), ("a", "m")]), ("ttfb", [("b",), ("a",)]),
+                              ("generation_tps", [("b", "m"), ("a", "other")])):
+        values = every_bucket(getattr(m, family).bounds[:-1])
+        for i, value in enumerate(values):
+            out.append((family, "observe", labelsets[0], value))
+            if i % 3 == 0:
+                out.append((family, "observe", labelsets[1], value))
+    return out
+
+
+_CREATED = re.compile(r"^(\w+_created(?:\{[^}]*\})?) (\S+)$", re.MULTILINE)
+
+
+def without_created_values(text: str) -> tuple[str, list[float]]:
+    """The exposition with every `_created` sample's value replaced by T, and those values."""
+    values = [float(v) for _, v in _CREATED.findall(text)]
+    return _CREATED.sub(r"\1 T", text), values
+
+
+@pytest.mark.parametrize("created", [True, False])
+def test_the_exposition_is_prometheus_clients_own(created: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same updates on crossbar's accumulators and on prometheus-client's Counter and Histogram
+    give the same text, line for line (`_created` values aside: they are creation times)."""
+    monkeypatch.setattr(client_metrics, "_use_created", created)
+    began = time.time()
+    registry, theirs = client_library_metrics()
+    ours = Metrics()
+    fed = updates(ours)
+    for family, op, labels, amount in fed:
+        getattr(getattr(ours, family), op)(labels, amount)
+        getattr(theirs[family].labels(*labels), op)(amount)
+    ended = time.time()
+    expected, their_created = without_created_values(generate_latest(registry).decode())
+    got, our_created = without_created_values(ours.exposition().decode())
+    assert got.splitlines() == expected.splitlines()
+    series = ({("lease_moves", (r,)) for r in LEASE_REASONS} | {("rejected", (str(r),)) for r in Rejection}
+              | {(family, labels) for family, _, labels, _ in fed})
+    assert len(our_created) == len(their_created) == (len(series) if created else 0)
+    assert all(began <= t <= ended for t in our_created)
+    # a value on a bound counts in that bound's bucket: -1, 0, 0.0025 and 0.005 in the first, then
+    # one value between two bounds and one on the bound for each bucket after it
+    assert 'crossbar_ttfb_seconds_bucket{host="b",le="0.005"} 4.0\n' in got
+    assert 'crossbar_ttfb_seconds_bucket{host="b",le="0.01"} 6.0\n' in got
+    assert 'crossbar_ttfb_seconds_bucket{host="b",le="600.0"} 34.0\n' in got
+    assert 'crossbar_ttfb_seconds_bucket{host="b",le="+Inf"} 36.0\n' in got
