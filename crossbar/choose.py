@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MIN_WEIGHT = 1e-6  # a zero or negative weight ranks last, never divides by zero
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
     name: str
     healthy: bool
     draining: bool

@@ -23,7 +23,7 @@ from crossbar.tap import SSETap, Usage
 log = logging.getLogger("crossbar")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Exchange:
     route: RouteConf
     key: Key

@@ -36,7 +36,7 @@ class HostDown(Exception):
     """The host was marked down while the request waited for one of its slots: place it again."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket:
     host: str
     model: str

@@ -92,7 +92,7 @@ def has_folded_line(head: bytes) -> bool:
     """Whether a header line starts with a space or tab: an obsolete line folding, which mitmproxy
     joins onto the previous header while a plain reading takes it for a header of its own. Heads
     that carry one are refused, so that crossbar and mitmproxy never disagree on framing."""
-    return any(line[:1] in (b" ", b"\t") for line in head.split(b"\n")[1:])
+    return b"\n " in head or b"\n\t" in head
 
 
 def body_timeout(limit: float) -> Refusal:

@@ -18,9 +18,8 @@ import json
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import parse_qsl, quote
 
 from crossbar import jsonread
@@ -70,8 +69,7 @@ SYSTEM_ROLES = frozenset({"system", "developer"})
 _SHOW_MAX = 130  # longest untrusted text quoted in an error message
 
 
-@dataclass(frozen=True, slots=True)
-class Resolved:
+class Resolved(NamedTuple):
     route: RouteConf  # concrete: a template match carries the requested name
     path: str  # upstream path without query, e.g. "/v1/chat/completions"
     query: str  # what goes upstream: "" or "model=x&autoload=false" (without "?")
@@ -248,8 +246,7 @@ def is_control(method: str, path: str) -> bool:
 # ---------------------------------------------------------------- bodies
 
 
-@dataclass(frozen=True, slots=True)
-class BodyPeek:
+class BodyPeek(NamedTuple):
     model: str  # body.model, else the route's default_model, else ""
     stream: bool  # body.stream is True
     include_usage: bool  # body.stream_options.include_usage is True
@@ -636,11 +633,17 @@ def fingerprint(messages: Sequence[Mapping[str, Any]], key: bytes) -> str:
     return _digest(system, user, key)
 
 
+@lru_cache(maxsize=4)
+def _keyed(key: bytes) -> hmac.HMAC:
+    """The HMAC state after the key and the domain: copied per fingerprint, not keyed again."""
+    return hmac.new(key, b"crossbar-fp-2\0", hashlib.sha256)
+
+
 def _digest(system: bytes | None, user: bytes | None, key: bytes) -> str:
     if user is None:
         return ""
     system = system or b""
-    digest = hmac.new(key, b"crossbar-fp-2\0", hashlib.sha256)
+    digest = _keyed(key).copy()
     digest.update(b"system:%d:" % len(system) + system)
     digest.update(b"user:%d:" % len(user) + user)
     return digest.hexdigest()

@@ -87,8 +87,8 @@ class _Figures:
         return None
 
 
-def _first(*values: int | None) -> int | None:
-    return next((v for v in values if v is not None), None)
+def _first(value: int | None, fallback: int | None) -> int | None:
+    return fallback if value is None else value
 
 
 def usage_from_object(obj: Mapping[str, Any]) -> Usage | None:

@@ -113,7 +113,7 @@ CASES: dict[str, tuple[Case, Placement | Refusal]] = {
     "yield factor 0 (off, or the route opts out) → stays": (replace(YIELDING, yield_factor=0.0), STAY_A),
     "a larger factor than the gain → stays": (replace(YIELDING, yield_factor=6.0), STAY_A),
     "pinned route never yields": (
-        replace(YIELDING, lease=replace(LIVE, pin="a")),
+        replace(YIELDING, lease=LIVE._replace(pin="a")),
         P("a", Decision.PINNED, LeaseChange(Change.USE, "a"))),
     "no yield to a draining or unloaded host": (
         replace(YIELDING, hosts=fleet(a=H(free=0), b=H(draining=True), c=H(loaded=False))), STAY_A),
@@ -129,10 +129,10 @@ CASES: dict[str, tuple[Case, Placement | Refusal]] = {
         P("c", Decision.RETRIED, LeaseChange(Change.MOVE, "c", "a", Reason.UNHEALTHY))),
     "pinned": (Case(lease=LeaseView(pin="b")), P("b", Decision.PINNED, CREATE_B)),
     "pinned, lease elsewhere → moves to the pin": (
-        Case(lease=replace(LIVE, pin="b")),
+        Case(lease=LIVE._replace(pin="b")),
         P("b", Decision.PINNED, LeaseChange(Change.MOVE, "b", "a", Reason.PIN))),
     "pinned host down → refused, wake it, nothing moves": (
-        Case(hosts=fleet(b=H(healthy=False)), lease=replace(LIVE, pin="b")),
+        Case(hosts=fleet(b=H(healthy=False)), lease=LIVE._replace(pin="b")),
         Refusal(Rejection.PINNED_DOWN, "route 'r' is pinned to 'b', which is not healthy", wake=("b",))),
     "pinned host failed this request → refused, not moved": (
         Case(lease=LeaseView(pin="b", host="b", last_used=NOW), excluded=frozenset({"b"})),

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-import dataclasses
+import hashlib
+import hmac
 import json
 from typing import Any
 from unittest import mock
@@ -785,5 +786,16 @@ def test_numbers_orjson_writes_otherwise_change_only_the_byte_count() -> None:
     raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools}).encode()
     fast, standard = _peek_outcome(raw, CHAT), _standard_outcome(raw, CHAT)
     assert isinstance(fast, BodyPeek) and isinstance(standard, BodyPeek)
-    assert dataclasses.replace(fast, prompt_bytes=0) == dataclasses.replace(standard, prompt_bytes=0)
+    assert fast._replace(prompt_bytes=0) == standard._replace(prompt_bytes=0)
     assert abs(fast.prompt_bytes - standard.prompt_bytes) <= 6
+
+
+@pytest.mark.parametrize("key", [KEY, b"another install's secret", b""])
+def test_a_fingerprint_is_the_documented_hmac_under_each_key(key: bytes) -> None:
+    system, user = "You are terse.", "héllo"
+    for _ in range(2):  # the second time from the kept keyed state
+        expected = hmac.new(key, b"crossbar-fp-2\0", hashlib.sha256)
+        expected.update(b"system:%d:" % len(system.encode()) + system.encode())
+        expected.update(b"user:%d:" % len(user.encode()) + user.encode())
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        assert fingerprint(messages, key) == expected.hexdigest()
