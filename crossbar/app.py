@@ -693,7 +693,7 @@ class Lazy[T](Mapping[str, T]):
     """A mapping over `keys` whose values are computed on first read."""
 
     def __init__(self, keys: tuple[str, ...], make: Callable[[str], T]):
-        self._keys, self._make, self._got = keys, make, dict[str, T]()
+        self._keys, self._make, self._got = keys, make, {}
 
     def __getitem__(self, key: str) -> T:
         try:
