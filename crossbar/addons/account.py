@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 from collections.abc import Callable
@@ -30,6 +31,13 @@ log = logging.getLogger("crossbar")
 TAIL = "crossbar.tail"  # flow.metadata key of a streamed answer's BodyTail
 
 
+class _Plain(enum.Enum):
+    PLAIN = "plain"  # an answer read as it came: not compressed, or not one whose usage is read
+
+
+PLAIN = _Plain.PLAIN
+
+
 class Account:
     def __init__(self, rt: Runtime):
         self.rt = rt
@@ -45,7 +53,7 @@ class Account:
             flow.metadata[TAIL] = flow.response.stream = BodyTail()
 
     async def response(self, flow: http.HTTPFlow) -> None:
-        decoded: Usage | None = None
+        decoded: Usage | _Plain | None = PLAIN
         try:
             decoded = await self._usage_of_encoded(flow)
         finally:
@@ -68,13 +76,14 @@ class Account:
             self.rt.done_with(flow)
             router.finish(ex)
 
-    async def _usage_of_encoded(self, flow: http.HTTPFlow) -> Usage | None:
+    async def _usage_of_encoded(self, flow: http.HTTPFlow) -> Usage | _Plain | None:
         """Usage of a buffered compressed answer, decoded on a worker thread up to the size
-        mitmproxy buffers an answer at; one it cannot read counts as a dropped figure."""
+        mitmproxy buffers an answer at; one it cannot read counts as a dropped figure. PLAIN when
+        there is no such answer to decode."""
         ex, cfg, response = exchange_of(flow), self.rt.cfg, flow.response
-        if (ex is None or cfg is None or response is None or not _encoded(response) or not ex.completion
-                or ex.tap is not None or TAIL in flow.metadata or flow.metadata.get(LOCAL)):
-            return None
+        if (ex is None or cfg is None or response is None or not ex.completion or ex.tap is not None
+                or TAIL in flow.metadata or flow.metadata.get(LOCAL) or not _encoded(response)):
+            return PLAIN
         encoding, cap = response.headers["content-encoding"], cfg.buffered_body_max
         found = await asyncio.to_thread(usage_of_encoded, response.raw_content or b"", encoding, cap)
         if found.unread:
@@ -82,7 +91,7 @@ class Account:
             return Usage(dropped=1)
         return found.usage
 
-    def _read_answer(self, flow: http.HTTPFlow, ex: Exchange, decoded: Usage | None = None) -> None:
+    def _read_answer(self, flow: http.HTTPFlow, ex: Exchange, decoded: Usage | _Plain | None = PLAIN) -> None:
         if flow.response is None:
             return
         ex.status = flow.response.status_code
@@ -91,7 +100,7 @@ class Account:
         elif TAIL in flow.metadata:
             ex.usage = usage_from_body(flow.metadata.pop(TAIL).usage_json())
         elif ex.completion and not flow.metadata.get(LOCAL):
-            ex.usage = decoded if _encoded(flow.response) else usage_from_body(flow.response.raw_content)
+            ex.usage = usage_from_body(flow.response.raw_content) if decoded is PLAIN else decoded
         if ex.status >= 400 and not ex.err:
             ex.err = f"upstream answered {ex.status}"
 
