@@ -19,9 +19,11 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +63,14 @@ from crossbar.schema import (
     EVENTS,
     HEALTH,
     LEASES,
+    REQUEST_COLUMNS,
     REQUESTS,
     SECRET,
     SUMMED,
     LeaseEventRow,
     LeaseRow,
     RequestRow,
+    RequestValues,
 )
 from crossbar.shared import CHANNEL, MAX_PAYLOAD, Change, SharedState
 from crossbar.writebehind import Op, WriteBehind, one_line
@@ -91,6 +95,7 @@ _INT_COLUMNS = ("queued_ms", "total_ms")  # crossbar's own clock; NOT NULL
 _FIGURES = {"ttfb_ms": MAX_MS, "status": 599, "prompt_tokens": MAX_TOKENS, "cached_tokens": MAX_TOKENS,
             "completion_tokens": MAX_TOKENS}
 _NULLABLE_STR_COLUMNS = ("host", "err", "decision")
+_IN_COLUMN_ORDER = itemgetter(*REQUEST_COLUMNS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,21 +264,39 @@ def _execute_many(conn: Connection, name: str, build: Callable[[Connection], Exe
     for row in rows:
         groups.setdefault(tuple(row), []).append(row)
     for keys, same in groups.items():
-        found = _COMPILED.get((name, keys))
-        if found is None:
-            found = _COMPILED[(name, keys)] = _compile(conn, build(conn), keys)
-        _execute_compiled(conn, found, same)
+        found = _compiled(conn, name, build, keys)
+        order = found.order
+        _execute_compiled(conn, found, [tuple(row[k] for k in order) for row in same])
 
 
-def _execute_compiled(conn: Connection, found: _Compiled, rows: list[dict[str, Any]]) -> None:
-    order = found.order
-    if found.rows_at < 0:
-        conn.exec_driver_sql(found.sql, [tuple(row[k] for k in order) for row in rows])
+def _insert_requests(conn: Connection, rows: list[RequestValues]) -> None:
+    """INSERT `requests` rows given as values in REQUEST_COLUMNS order (see `_execute_many`)."""
+    if conn.dialect.name != "sqlite":
+        conn.execute(insert(REQUESTS), [dict(zip(REQUEST_COLUMNS, row, strict=True)) for row in rows])
         return
-    per_statement = max(1, min(ROWS_PER_INSERT, _variable_limit(conn) // len(order)))
+    found = _compiled(conn, "request", lambda _: insert(REQUESTS), REQUEST_COLUMNS)
+    if found.order != REQUEST_COLUMNS:
+        raise RuntimeError(f"store: the requests INSERT takes {found.order}, not {REQUEST_COLUMNS}")
+    _execute_compiled(conn, found, rows)
+
+
+def _compiled(conn: Connection, name: str, build: Callable[[Connection], Executable],
+              keys: tuple[str, ...]) -> _Compiled:
+    found = _COMPILED.get((name, keys))
+    if found is None:
+        found = _COMPILED[(name, keys)] = _compile(conn, build(conn), keys)
+    return found
+
+
+def _execute_compiled(conn: Connection, found: _Compiled, rows: list[tuple[Any, ...]]) -> None:
+    """Run `found` for rows of values in `found.order`."""
+    if found.rows_at < 0:
+        conn.exec_driver_sql(found.sql, rows)
+        return
+    per_statement = max(1, min(ROWS_PER_INSERT, _variable_limit(conn) // len(found.order)))
     for at in range(0, len(rows), per_statement):
         chunk = rows[at:at + per_statement]
-        conn.exec_driver_sql(found.many_rows(len(chunk)), tuple(row[k] for row in chunk for k in order))
+        conn.exec_driver_sql(found.many_rows(len(chunk)), tuple(chain.from_iterable(chunk)))
 
 
 def _variable_limit(conn: Connection) -> int:
@@ -319,9 +342,43 @@ def _text(value: Any) -> str:
     return str(value).replace("\x00", "\ufffd")
 
 
-def _request_values(row: dict[str, Any], now: float) -> tuple[dict[str, Any], int]:
-    """Normalise a request row at enqueue time so the writer never meets an unbindable value; also
-    how many figures were out of range (stored as NULL, or 0 where the column cannot be NULL)."""
+def _request_values(row: RequestValues | Mapping[str, Any], now: float) -> tuple[RequestValues, int]:
+    """Normalise a request row at enqueue time so the writer never meets an unbindable value: the
+    row's values in REQUEST_COLUMNS order, and how many figures were out of range (stored as NULL,
+    or 0 where the column cannot be NULL). A tuple is in REQUEST_COLUMNS order; a mapping may leave
+    columns out."""
+    if type(row) is tuple:
+        if _usual(row):
+            return row, 0
+        row = dict(zip(REQUEST_COLUMNS, row, strict=True))
+    out, bad = _normalised(row, now)
+    return _IN_COLUMN_ORDER(out), bad
+
+
+def _usual(row: RequestValues) -> bool:
+    """True when `_normalised` would keep every value of `row` as it is, as it does for nearly every
+    row the proxy writes: then the row is stored without being rebuilt."""
+    (route, fp, model, host, started, queued_ms, ttfb_ms, total_ms, status, streamed,
+     prompt, cached, completion, err, decision) = row
+    most_cached = MAX_TOKENS if prompt is None else prompt
+    return (
+        type(route) is type(fp) is type(model) is str and "\x00" not in route + fp + model
+        and (host is None or (type(host) is str and "\x00" not in host))
+        and (err is None or (type(err) is str and "\x00" not in err))
+        and (decision is None or (type(decision) is str and "\x00" not in decision))
+        and type(started) is float and math.isfinite(started) and type(streamed) is bool
+        and type(queued_ms) is type(total_ms) is int and 0 <= queued_ms <= MAX_MS and 0 <= total_ms <= MAX_MS
+        and (ttfb_ms is None or (type(ttfb_ms) is int and 0 <= ttfb_ms <= MAX_MS))
+        and (status is None or (type(status) is int and 100 <= status <= 599))
+        and (completion is None or (type(completion) is int and 0 <= completion <= MAX_TOKENS))
+        and (prompt is None or (type(prompt) is int and 0 <= prompt <= MAX_TOKENS))
+        and (cached is None or (type(cached) is int and 0 <= cached <= most_cached))
+    )
+
+
+def _normalised(row: Mapping[str, Any], now: float) -> tuple[dict[str, Any], int]:
+    """Every value of a request row made storable (see `_request_values`); absent columns take
+    their defaults."""
     started = float(row.get("started", now))
     out: dict[str, Any] = {
         "route": _text(row.get("route", "")),
@@ -490,7 +547,9 @@ class Store:
         """Call `listener(reason)` for every lease event recorded (metrics count them)."""
         self._event_listeners.append(listener)
 
-    def record_request(self, row: dict[str, Any]) -> None:
+    def record_request(self, row: RequestValues | Mapping[str, Any]) -> None:
+        """Enqueue a `requests` row: its values in REQUEST_COLUMNS order, or a mapping of columns
+        (absent ones take their defaults). Never raises: an unusable row is counted as dropped."""
         try:
             values, bad = _request_values(row, self.clock())
         except (TypeError, ValueError, OverflowError) as exc:
@@ -580,7 +639,7 @@ class Store:
     def _apply_segment(self, conn: Connection, ops: list[Op]) -> None:
         leases: dict[tuple[str, str, str], Op] = {}
         drains: dict[str, dict[str, Any]] = {}
-        rows: dict[str, list[dict[str, Any]]] = {"event": [], "request": [], "health": [], "notify": []}
+        rows: dict[str, list[Any]] = {"event": [], "request": [], "health": [], "notify": []}
         for op in ops:
             if op.kind in ("lease", "unlease"):
                 leases.pop(_lease_key(op), None)  # the last operation on a key wins
@@ -591,9 +650,11 @@ class Store:
                 rows[op.kind].append(op.data)
         self._apply_leases(conn, list(leases.values()))
         self._apply_drains(conn, list(drains.values()))
-        for kind, table in (("event", EVENTS), ("request", REQUESTS), ("health", HEALTH)):
+        for kind, table in (("event", EVENTS), ("health", HEALTH)):
             if rows[kind]:
                 _execute_many(conn, kind, lambda _, t=table: insert(t), rows[kind])
+        if rows["request"]:
+            _insert_requests(conn, rows["request"])
         for notify in rows["notify"]:  # delivered when this transaction commits
             conn.execute(text("SELECT pg_notify(:c, :p)"), notify)
 

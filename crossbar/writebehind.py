@@ -34,7 +34,7 @@ BACKOFF_MAX = 5.0
 class Op:
     seq: int
     kind: str
-    data: dict[str, Any]
+    data: Any  # what the sink needs to apply it: a mapping of columns, or a row's values
 
 
 class Sink(Protocol):
@@ -152,7 +152,7 @@ class WriteBehind:
 
     # -- enqueue (never blocks on I/O, never raises) ----------------------------------------------
 
-    def put(self, kind: str, data: dict[str, Any]) -> None:
+    def put(self, kind: str, data: Any) -> None:
         with self._lock:
             if self._closed:
                 self.dropped += 1
