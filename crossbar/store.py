@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from itertools import chain
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -243,9 +243,16 @@ class _Compiled:
         """The INSERT with n rows of values."""
         return self.sql[:self.rows_at] + ", ".join([self.row] * n) + self.sql[self.rows_at + len(self.row):]
 
+    def values(self, rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+        """Each row's values in the order the statement takes them."""
+        if len(self.order) == 1:  # itemgetter of one key gives the value, not a tuple
+            return [(row[self.order[0]],) for row in rows]
+        return list(map(itemgetter(*self.order), rows))
+
 
 _COMPILED: dict[tuple[str, tuple[str, ...]], _Compiled] = {}
 ROWS_PER_INSERT = 256
+_LEAST_VARIABLE_LIMIT = 999  # SQLite's limit on a statement's parameters before 3.32
 
 
 def _execute_many(conn: Connection, name: str, build: Callable[[Connection], Executable],
@@ -265,8 +272,7 @@ def _execute_many(conn: Connection, name: str, build: Callable[[Connection], Exe
         groups.setdefault(tuple(row), []).append(row)
     for keys, same in groups.items():
         found = _compiled(conn, name, build, keys)
-        order = found.order
-        _execute_compiled(conn, found, [tuple(row[k] for k in order) for row in same])
+        _execute_compiled(conn, found, found.values(same))
 
 
 def _insert_requests(conn: Connection, rows: list[RequestValues]) -> None:
@@ -293,10 +299,18 @@ def _execute_compiled(conn: Connection, found: _Compiled, rows: list[tuple[Any, 
     if found.rows_at < 0:
         conn.exec_driver_sql(found.sql, rows)
         return
-    per_statement = max(1, min(ROWS_PER_INSERT, _variable_limit(conn) // len(found.order)))
+    per_statement = _rows_per_insert(conn, len(rows), len(found.order))
     for at in range(0, len(rows), per_statement):
         chunk = rows[at:at + per_statement]
         conn.exec_driver_sql(found.many_rows(len(chunk)), tuple(chain.from_iterable(chunk)))
+
+
+def _rows_per_insert(conn: Connection, rows: int, width: int) -> int:
+    """How many rows of `width` values one INSERT takes: all of them when they fit the parameter
+    limit of any SQLite build (the connection is asked only for more)."""
+    if rows <= ROWS_PER_INSERT and rows * width <= _LEAST_VARIABLE_LIMIT:
+        return rows
+    return max(1, min(ROWS_PER_INSERT, _variable_limit(conn) // width))
 
 
 def _variable_limit(conn: Connection) -> int:
@@ -305,7 +319,7 @@ def _variable_limit(conn: Connection) -> int:
     try:
         return int(conn.connection.driver_connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
     except (AttributeError, sqlite3.Error):
-        return 999
+        return _LEAST_VARIABLE_LIMIT
 
 
 def _compile(conn: Connection, stmt: Executable, keys: tuple[str, ...]) -> _Compiled:
@@ -317,8 +331,8 @@ def _compile(conn: Connection, stmt: Executable, keys: tuple[str, ...]) -> _Comp
     return _Compiled(sql, order, at + len(" VALUES ") if at >= 0 else -1, row)
 
 
-def _lease_key(op: Op) -> tuple[str, str, str]:
-    return (op.data["route"], op.data["fp"], op.data["model"])
+_KIND = attrgetter("kind")  # of an operation
+_LEASE_KEY = itemgetter("route", "fp", "model")  # of a lease operation's data
 
 
 def _figure(value: Any, low: int, high: int) -> int | None:
@@ -625,6 +639,9 @@ class Store:
 
     def _apply(self, conn: Connection, ops: list[Op]) -> None:
         """Write ops in order; a rollup sees every row enqueued before it."""
+        if "rollup" not in map(_KIND, ops):  # the usual batch
+            self._apply_segment(conn, ops)
+            return
         segment: list[Op] = []
         for op in ops:
             if op.kind != "rollup":
@@ -638,18 +655,15 @@ class Store:
 
     def _apply_segment(self, conn: Connection, ops: list[Op]) -> None:
         leases: dict[tuple[str, str, str], Op] = {}
-        drains: dict[str, dict[str, Any]] = {}
-        rows: dict[str, list[Any]] = {"event": [], "request": [], "health": [], "notify": []}
+        rows: dict[str, list[Any]] = {"request": [], "drain": [], "event": [], "health": [], "notify": []}
         for op in ops:
-            if op.kind in ("lease", "unlease"):
-                leases.pop(_lease_key(op), None)  # the last operation on a key wins
-                leases[_lease_key(op)] = op
-            elif op.kind == "drain":
-                drains[op.data["host"]] = op.data  # likewise per host
+            kind = op.kind
+            if kind == "lease" or kind == "unlease":
+                leases[_LEASE_KEY(op.data)] = op  # the last operation on a key wins
             else:
-                rows[op.kind].append(op.data)
+                rows[kind].append(op.data)
         self._apply_leases(conn, list(leases.values()))
-        self._apply_drains(conn, list(drains.values()))
+        self._apply_drains(conn, list({d["host"]: d for d in rows["drain"]}.values()))  # likewise per host
         for kind, table in (("event", EVENTS), ("health", HEALTH)):
             if rows[kind]:
                 _execute_many(conn, kind, lambda _, t=table: insert(t), rows[kind])

@@ -140,6 +140,38 @@ def test_last_operation_on_a_key_wins_within_one_batch(db_path: Path) -> None:
     s.close()
 
 
+def test_last_drain_on_a_host_wins_within_one_batch(db_path: Path) -> None:
+    s = Store(str(db_path))
+    s.open()
+    s.save_drain("a", True, T0)
+    s.save_drain("b", True, T0)
+    s.save_drain("a", False, T0 + 1)
+    s.save_drain("c", False, T0)
+    s.save_drain("c", True, T0 + 2)
+    s.start()
+    assert s.flush()
+    assert s.drained_hosts() == {"b", "c"}
+    assert raw(db_path, "SELECT host, since FROM host_drains ORDER BY host") == [("b", T0), ("c", T0 + 2)]
+    s.close()
+
+
+def test_a_rollup_within_a_batch_sees_the_rows_before_it_and_not_those_after(db_path: Path) -> None:
+    s = Store(str(db_path))
+    s.open()
+    s.record_request(request(route="before", started=T0))
+    s.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
+    s.schedule_rollup(T0 + DAY)
+    s.record_request(request(route="after", started=T0 + 1))
+    s.delete_lease("r1", "fp1", "m1")
+    s.start()
+    assert s.flush()
+    assert s.last_rollup == 1
+    assert [r.route for r in s.requests_since(0)] == ["after"]
+    assert [r["key"] for r in s.usage(0, "route")] == ["after", "before"]
+    assert s.leases() == []
+    s.close()
+
+
 def test_close_flushes_and_a_new_store_loads_the_leases(db_path: Path) -> None:
     first = Store(str(db_path))
     first.open()
