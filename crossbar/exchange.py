@@ -21,6 +21,7 @@ from crossbar.schema import RequestValues
 from crossbar.tap import SSETap, Usage
 
 log = logging.getLogger("crossbar")
+_NO_USAGE = Usage()  # the figures of a request whose reply reported none (only ever read)
 
 
 @dataclass(eq=False)
@@ -113,8 +114,7 @@ class Exchange:
     def row(self) -> RequestValues:
         """The `requests` row, its values in REQUEST_COLUMNS order. Absent token figures stay None
         (NULL), never 0."""
-        key, u = self.key, self.usage
-        tokens = (None, None, None) if u is None else (u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+        key, u, decision = self.key, self.usage or _NO_USAGE, self.decision
         return (key.route, key.fp, key.model, self.host or None, self.started, self.queued_ms, self.ttfb_ms,
-                self.elapsed_ms(), self.status, self.stream, *tokens, self.err,
-                str(self.decision) if self.decision else None)
+                self.elapsed_ms(), self.status, self.stream, u.prompt_tokens, u.cached_tokens,
+                u.completion_tokens, self.err, str(decision) if decision else None)

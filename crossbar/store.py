@@ -374,20 +374,31 @@ def _usual(row: RequestValues) -> bool:
     row the proxy writes: then the row is stored without being rebuilt."""
     (route, fp, model, host, started, queued_ms, ttfb_ms, total_ms, status, streamed,
      prompt, cached, completion, err, decision) = row
+    # one guard a line: measured faster than one condition spread over many lines
+    if not (type(route) is type(fp) is type(model) is str and "\x00" not in route + fp + model):
+        return False
+    if not (host is None or (type(host) is str and "\x00" not in host)):
+        return False
+    if not (err is None or (type(err) is str and "\x00" not in err)):
+        return False
+    if not (decision is None or (type(decision) is str and "\x00" not in decision)):
+        return False
+    if not (type(started) is float and math.isfinite(started) and type(streamed) is bool):
+        return False
+    if not (type(queued_ms) is int and 0 <= queued_ms <= MAX_MS):
+        return False
+    if not (type(total_ms) is int and 0 <= total_ms <= MAX_MS):
+        return False
+    if not (ttfb_ms is None or (type(ttfb_ms) is int and 0 <= ttfb_ms <= MAX_MS)):
+        return False
+    if not (status is None or (type(status) is int and 100 <= status <= 599)):
+        return False
+    if not (completion is None or (type(completion) is int and 0 <= completion <= MAX_TOKENS)):
+        return False
+    if not (prompt is None or (type(prompt) is int and 0 <= prompt <= MAX_TOKENS)):
+        return False
     most_cached = MAX_TOKENS if prompt is None else prompt
-    return (
-        type(route) is type(fp) is type(model) is str and "\x00" not in route + fp + model
-        and (host is None or (type(host) is str and "\x00" not in host))
-        and (err is None or (type(err) is str and "\x00" not in err))
-        and (decision is None or (type(decision) is str and "\x00" not in decision))
-        and type(started) is float and math.isfinite(started) and type(streamed) is bool
-        and type(queued_ms) is type(total_ms) is int and 0 <= queued_ms <= MAX_MS and 0 <= total_ms <= MAX_MS
-        and (ttfb_ms is None or (type(ttfb_ms) is int and 0 <= ttfb_ms <= MAX_MS))
-        and (status is None or (type(status) is int and 100 <= status <= 599))
-        and (completion is None or (type(completion) is int and 0 <= completion <= MAX_TOKENS))
-        and (prompt is None or (type(prompt) is int and 0 <= prompt <= MAX_TOKENS))
-        and (cached is None or (type(cached) is int and 0 <= cached <= most_cached))
-    )
+    return cached is None or (type(cached) is int and 0 <= cached <= most_cached)
 
 
 def _normalised(row: Mapping[str, Any], now: float) -> tuple[dict[str, Any], int]:
@@ -529,8 +540,10 @@ class Store:
     def save_lease(
         self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float
     ) -> None:
-        data = {"route": _text(route), "fp": _text(fp), "model": _text(model), "host": host, "state": state}
-        self._queue.put("lease", {**data, "created": float(created), "last_used": float(last_used)})
+        if not (type(route) is type(fp) is type(model) is str and "\x00" not in route + fp + model):
+            route, fp, model = _text(route), _text(fp), _text(model)
+        self._queue.put("lease", {"route": route, "fp": fp, "model": model, "host": host, "state": state,
+                                  "created": float(created), "last_used": float(last_used)})
 
     def delete_lease(self, route: str, fp: str, model: str, idle_before: float | None = None) -> None:
         """Delete the lease row; with `idle_before`, only while it was last used before then."""

@@ -107,6 +107,15 @@ def test_leases_round_trip_including_pin_rows(store: Store) -> None:
     assert (lease.host, lease.state, lease.last_used) == ("alpha", "active", T0 + 1)
 
 
+def test_lease_names_are_stored_as_text_without_nul(store: Store) -> None:
+    store.save_lease("r\x00", 5, "m1", "alpha", "active", T0, T0)  # type: ignore[arg-type]
+    store.save_lease("r1", "fp1", "m\x00", "alpha", "active", T0, T0)
+    store.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
+    assert store.flush()
+    names = [(r.route, r.fp, r.model) for r in store.leases()]
+    assert names == [("r1", "fp1", "m1"), ("r1", "fp1", "m\ufffd"), ("r\ufffd", "5", "m1")]
+
+
 def test_upsert_updates_last_used_and_host(store: Store) -> None:
     store.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
     assert store.flush()
