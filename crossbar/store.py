@@ -267,12 +267,20 @@ def _execute_many(conn: Connection, name: str, build: Callable[[Connection], Exe
     if conn.dialect.name != "sqlite":
         conn.execute(build(conn), rows)
         return
+    for keys, same in _by_keys(rows).items():
+        found = _compiled(conn, name, build, keys)
+        _execute_compiled(conn, found, found.values(same))
+
+
+def _by_keys(rows: list[dict[str, Any]]) -> dict[tuple[str, ...], list[dict[str, Any]]]:
+    """The rows grouped by their keys, in order; usually they all have the same."""
+    shapes = set(map(tuple, rows))
+    if len(shapes) == 1:
+        return {shapes.pop(): rows}
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault(tuple(row), []).append(row)
-    for keys, same in groups.items():
-        found = _compiled(conn, name, build, keys)
-        _execute_compiled(conn, found, found.values(same))
+    return groups
 
 
 def _insert_requests(conn: Connection, rows: list[RequestValues]) -> None:
