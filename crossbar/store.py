@@ -584,7 +584,8 @@ class Store:
 
     def record_request(self, row: RequestValues | Mapping[str, Any]) -> None:
         """Enqueue a `requests` row: its values in REQUEST_COLUMNS order, or a mapping of columns
-        (absent ones take their defaults). Never raises: an unusable row is counted as dropped."""
+        (absent ones take their defaults). A row with values that cannot be stored is counted as
+        dropped, never raised."""
         try:
             values, bad = _request_values(row, self.clock())
         except (TypeError, ValueError, OverflowError) as exc:
