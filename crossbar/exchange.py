@@ -12,15 +12,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from crossbar.config import RouteConf
 from crossbar.decisions import Decision
 from crossbar.lease import Key
 from crossbar.limiter import Ticket
+from crossbar.schema import RequestValues
 from crossbar.tap import SSETap, Usage
 
 log = logging.getLogger("crossbar")
+_NO_USAGE = Usage()  # the figures of a request whose reply reported none (only ever read)
 
 
 @dataclass(eq=False, slots=True)
@@ -110,23 +111,10 @@ class Exchange:
         if self.ttfb_ms is None:
             self.ttfb_ms = self.elapsed_ms()
 
-    def row(self) -> dict[str, Any]:
-        """The `requests` row. Absent token figures stay None (NULL), never 0."""
-        u = self.usage or Usage()
-        return {
-            "route": self.key.route,
-            "fp": self.key.fp,
-            "model": self.key.model,
-            "host": self.host or None,
-            "started": self.started,
-            "queued_ms": self.queued_ms,
-            "ttfb_ms": self.ttfb_ms,
-            "total_ms": self.elapsed_ms(),
-            "status": self.status,
-            "streamed": self.stream,
-            "prompt_tokens": u.prompt_tokens,
-            "cached_tokens": u.cached_tokens,
-            "completion_tokens": u.completion_tokens,
-            "err": self.err,
-            "decision": str(self.decision) if self.decision else None,
-        }
+    def row(self) -> RequestValues:
+        """The `requests` row, its values in REQUEST_COLUMNS order. Absent token figures stay None
+        (NULL), never 0."""
+        key, u, decision = self.key, self.usage or _NO_USAGE, self.decision
+        return (key.route, key.fp, key.model, self.host or None, self.started, self.queued_ms, self.ttfb_ms,
+                self.elapsed_ms(), self.status, self.stream, u.prompt_tokens, u.cached_tokens,
+                u.completion_tokens, self.err, str(decision) if decision else None)

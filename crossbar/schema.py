@@ -9,7 +9,7 @@ stored: no table has a body column.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 from sqlalchemy import REAL, BigInteger, Index, Integer, Table
 from sqlalchemy.dialects.postgresql import DOUBLE_PRECISION
@@ -157,5 +157,10 @@ SLOTS = _table(FleetSlotRow)
 DRAINS = _table(HostDrainRow)
 SECRET = _table(InstallSecretRow)
 TABLES = [LEASES, EVENTS, REQUESTS, HEALTH, DAILY, SLOTS, DRAINS, SECRET]
+
+# The values of a `requests` row in the order of its columns (the id aside): a row travels from the
+# proxy to the writer thread as a tuple in this order.
+REQUEST_COLUMNS = tuple(c.name for c in REQUESTS.columns if c.name != "id")
+RequestValues = tuple[Any, ...]
 
 SUMMED = ("busy_ms", "queued_ms", "prompt_tokens", "cached_tokens", "completion_tokens")

@@ -19,9 +19,11 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from itertools import chain
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +63,14 @@ from crossbar.schema import (
     EVENTS,
     HEALTH,
     LEASES,
+    REQUEST_COLUMNS,
     REQUESTS,
     SECRET,
     SUMMED,
     LeaseEventRow,
     LeaseRow,
     RequestRow,
+    RequestValues,
 )
 from crossbar.shared import CHANNEL, MAX_PAYLOAD, Change, SharedState
 from crossbar.writebehind import Op, WriteBehind, one_line
@@ -91,6 +95,7 @@ _INT_COLUMNS = ("queued_ms", "total_ms")  # crossbar's own clock; NOT NULL
 _FIGURES = {"ttfb_ms": MAX_MS, "status": 599, "prompt_tokens": MAX_TOKENS, "cached_tokens": MAX_TOKENS,
             "completion_tokens": MAX_TOKENS}
 _NULLABLE_STR_COLUMNS = ("host", "err", "decision")
+_IN_COLUMN_ORDER = itemgetter(*REQUEST_COLUMNS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,9 +243,16 @@ class _Compiled:
         """The INSERT with n rows of values."""
         return self.sql[:self.rows_at] + ", ".join([self.row] * n) + self.sql[self.rows_at + len(self.row):]
 
+    def values(self, rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+        """Each row's values in the order the statement takes them."""
+        if len(self.order) == 1:  # itemgetter of one key gives the value, not a tuple
+            return [(row[self.order[0]],) for row in rows]
+        return list(map(itemgetter(*self.order), rows))
+
 
 _COMPILED: dict[tuple[str, tuple[str, ...]], _Compiled] = {}
 ROWS_PER_INSERT = 256
+_LEAST_VARIABLE_LIMIT = 999  # SQLite's limit on a statement's parameters before 3.32
 
 
 def _execute_many(conn: Connection, name: str, build: Callable[[Connection], Executable],
@@ -255,25 +267,58 @@ def _execute_many(conn: Connection, name: str, build: Callable[[Connection], Exe
     if conn.dialect.name != "sqlite":
         conn.execute(build(conn), rows)
         return
+    for keys, same in _by_keys(rows).items():
+        found = _compiled(conn, name, build, keys)
+        _execute_compiled(conn, found, found.values(same))
+
+
+def _by_keys(rows: list[dict[str, Any]]) -> dict[tuple[str, ...], list[dict[str, Any]]]:
+    """The rows grouped by their keys, in order; usually they all have the same."""
+    shapes = set(map(tuple, rows))
+    if len(shapes) == 1:
+        return {shapes.pop(): rows}
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault(tuple(row), []).append(row)
-    for keys, same in groups.items():
-        found = _COMPILED.get((name, keys))
-        if found is None:
-            found = _COMPILED[(name, keys)] = _compile(conn, build(conn), keys)
-        _execute_compiled(conn, found, same)
+    return groups
 
 
-def _execute_compiled(conn: Connection, found: _Compiled, rows: list[dict[str, Any]]) -> None:
-    order = found.order
-    if found.rows_at < 0:
-        conn.exec_driver_sql(found.sql, [tuple(row[k] for k in order) for row in rows])
+def _insert_requests(conn: Connection, rows: list[RequestValues]) -> None:
+    """INSERT `requests` rows given as values in REQUEST_COLUMNS order (see `_execute_many`)."""
+    if conn.dialect.name != "sqlite":
+        conn.execute(insert(REQUESTS), [dict(zip(REQUEST_COLUMNS, row, strict=True)) for row in rows])
         return
-    per_statement = max(1, min(ROWS_PER_INSERT, _variable_limit(conn) // len(order)))
+    found = _compiled(conn, "request", lambda _: insert(REQUESTS), REQUEST_COLUMNS)
+    if found.order != REQUEST_COLUMNS:
+        raise RuntimeError(f"store: the requests INSERT takes {found.order}, not {REQUEST_COLUMNS}")
+    _execute_compiled(conn, found, rows)
+
+
+def _compiled(conn: Connection, name: str, build: Callable[[Connection], Executable],
+              keys: tuple[str, ...]) -> _Compiled:
+    found = _COMPILED.get((name, keys))
+    if found is None:
+        found = _COMPILED[(name, keys)] = _compile(conn, build(conn), keys)
+    return found
+
+
+def _execute_compiled(conn: Connection, found: _Compiled, rows: list[tuple[Any, ...]]) -> None:
+    """Run `found` for rows of values in `found.order`."""
+    if found.rows_at < 0:
+        conn.exec_driver_sql(found.sql, rows)
+        return
+    per_statement = _rows_per_insert(conn, len(rows), len(found.order))
     for at in range(0, len(rows), per_statement):
         chunk = rows[at:at + per_statement]
-        conn.exec_driver_sql(found.many_rows(len(chunk)), tuple(row[k] for row in chunk for k in order))
+        conn.exec_driver_sql(found.many_rows(len(chunk)), tuple(chain.from_iterable(chunk)))
+
+
+def _rows_per_insert(conn: Connection, rows: int, width: int) -> int:
+    """How many rows of `width` values one INSERT takes: all of them when they fit the parameter
+    limit of any SQLite build (the connection is asked only for more)."""
+    if rows <= ROWS_PER_INSERT and rows * width <= _LEAST_VARIABLE_LIMIT:
+        return rows
+    return max(1, min(ROWS_PER_INSERT, _variable_limit(conn) // width))
 
 
 def _variable_limit(conn: Connection) -> int:
@@ -282,7 +327,7 @@ def _variable_limit(conn: Connection) -> int:
     try:
         return int(conn.connection.driver_connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
     except (AttributeError, sqlite3.Error):
-        return 999
+        return _LEAST_VARIABLE_LIMIT
 
 
 def _compile(conn: Connection, stmt: Executable, keys: tuple[str, ...]) -> _Compiled:
@@ -294,8 +339,8 @@ def _compile(conn: Connection, stmt: Executable, keys: tuple[str, ...]) -> _Comp
     return _Compiled(sql, order, at + len(" VALUES ") if at >= 0 else -1, row)
 
 
-def _lease_key(op: Op) -> tuple[str, str, str]:
-    return (op.data["route"], op.data["fp"], op.data["model"])
+_KIND = attrgetter("kind")  # of an operation
+_LEASE_KEY = itemgetter("route", "fp", "model")  # of a lease operation's data
 
 
 def _figure(value: Any, low: int, high: int) -> int | None:
@@ -319,9 +364,54 @@ def _text(value: Any) -> str:
     return str(value).replace("\x00", "\ufffd")
 
 
-def _request_values(row: dict[str, Any], now: float) -> tuple[dict[str, Any], int]:
-    """Normalise a request row at enqueue time so the writer never meets an unbindable value; also
-    how many figures were out of range (stored as NULL, or 0 where the column cannot be NULL)."""
+def _request_values(row: RequestValues | Mapping[str, Any], now: float) -> tuple[RequestValues, int]:
+    """Normalise a request row at enqueue time so the writer never meets an unbindable value: the
+    row's values in REQUEST_COLUMNS order, and how many figures were out of range (stored as NULL,
+    or 0 where the column cannot be NULL). A tuple is in REQUEST_COLUMNS order; a mapping may leave
+    columns out."""
+    if type(row) is tuple:
+        if _usual(row):
+            return row, 0
+        row = dict(zip(REQUEST_COLUMNS, row, strict=True))
+    out, bad = _normalised(row, now)
+    return _IN_COLUMN_ORDER(out), bad
+
+
+def _usual(row: RequestValues) -> bool:
+    """True when `_normalised` would keep every value of `row` as it is, as it does for nearly every
+    row the proxy writes: then the row is stored without being rebuilt."""
+    (route, fp, model, host, started, queued_ms, ttfb_ms, total_ms, status, streamed,
+     prompt, cached, completion, err, decision) = row
+    # one guard a line: measured faster than one condition spread over many lines
+    if not (type(route) is type(fp) is type(model) is str and "\x00" not in route + fp + model):
+        return False
+    if not (host is None or (type(host) is str and "\x00" not in host)):
+        return False
+    if not (err is None or (type(err) is str and "\x00" not in err)):
+        return False
+    if not (decision is None or (type(decision) is str and "\x00" not in decision)):
+        return False
+    if not (type(started) is float and math.isfinite(started) and type(streamed) is bool):
+        return False
+    if not (type(queued_ms) is int and 0 <= queued_ms <= MAX_MS):
+        return False
+    if not (type(total_ms) is int and 0 <= total_ms <= MAX_MS):
+        return False
+    if not (ttfb_ms is None or (type(ttfb_ms) is int and 0 <= ttfb_ms <= MAX_MS)):
+        return False
+    if not (status is None or (type(status) is int and 100 <= status <= 599)):
+        return False
+    if not (completion is None or (type(completion) is int and 0 <= completion <= MAX_TOKENS)):
+        return False
+    if not (prompt is None or (type(prompt) is int and 0 <= prompt <= MAX_TOKENS)):
+        return False
+    most_cached = MAX_TOKENS if prompt is None else prompt
+    return cached is None or (type(cached) is int and 0 <= cached <= most_cached)
+
+
+def _normalised(row: Mapping[str, Any], now: float) -> tuple[dict[str, Any], int]:
+    """Every value of a request row made storable (see `_request_values`); absent columns take
+    their defaults."""
     started = float(row.get("started", now))
     out: dict[str, Any] = {
         "route": _text(row.get("route", "")),
@@ -458,8 +548,10 @@ class Store:
     def save_lease(
         self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float
     ) -> None:
-        data = {"route": _text(route), "fp": _text(fp), "model": _text(model), "host": host, "state": state}
-        self._queue.put("lease", {**data, "created": float(created), "last_used": float(last_used)})
+        if not (type(route) is type(fp) is type(model) is str and "\x00" not in route + fp + model):
+            route, fp, model = _text(route), _text(fp), _text(model)
+        self._queue.put("lease", {"route": route, "fp": fp, "model": model, "host": host, "state": state,
+                                  "created": float(created), "last_used": float(last_used)})
 
     def delete_lease(self, route: str, fp: str, model: str, idle_before: float | None = None) -> None:
         """Delete the lease row; with `idle_before`, only while it was last used before then."""
@@ -490,7 +582,10 @@ class Store:
         """Call `listener(reason)` for every lease event recorded (metrics count them)."""
         self._event_listeners.append(listener)
 
-    def record_request(self, row: dict[str, Any]) -> None:
+    def record_request(self, row: RequestValues | Mapping[str, Any]) -> None:
+        """Enqueue a `requests` row: its values in REQUEST_COLUMNS order, or a mapping of columns
+        (absent ones take their defaults). A row with values that cannot be stored is counted as
+        dropped, never raised."""
         try:
             values, bad = _request_values(row, self.clock())
         except (TypeError, ValueError, OverflowError) as exc:
@@ -566,6 +661,9 @@ class Store:
 
     def _apply(self, conn: Connection, ops: list[Op]) -> None:
         """Write ops in order; a rollup sees every row enqueued before it."""
+        if "rollup" not in map(_KIND, ops):  # the usual batch
+            self._apply_segment(conn, ops)
+            return
         segment: list[Op] = []
         for op in ops:
             if op.kind != "rollup":
@@ -579,21 +677,20 @@ class Store:
 
     def _apply_segment(self, conn: Connection, ops: list[Op]) -> None:
         leases: dict[tuple[str, str, str], Op] = {}
-        drains: dict[str, dict[str, Any]] = {}
-        rows: dict[str, list[dict[str, Any]]] = {"event": [], "request": [], "health": [], "notify": []}
+        rows: dict[str, list[Any]] = {"request": [], "drain": [], "event": [], "health": [], "notify": []}
         for op in ops:
-            if op.kind in ("lease", "unlease"):
-                leases.pop(_lease_key(op), None)  # the last operation on a key wins
-                leases[_lease_key(op)] = op
-            elif op.kind == "drain":
-                drains[op.data["host"]] = op.data  # likewise per host
+            kind = op.kind
+            if kind == "lease" or kind == "unlease":
+                leases[_LEASE_KEY(op.data)] = op  # the last operation on a key wins
             else:
-                rows[op.kind].append(op.data)
+                rows[kind].append(op.data)
         self._apply_leases(conn, list(leases.values()))
-        self._apply_drains(conn, list(drains.values()))
-        for kind, table in (("event", EVENTS), ("request", REQUESTS), ("health", HEALTH)):
+        self._apply_drains(conn, list({d["host"]: d for d in rows["drain"]}.values()))  # likewise per host
+        for kind, table in (("event", EVENTS), ("health", HEALTH)):
             if rows[kind]:
                 _execute_many(conn, kind, lambda _, t=table: insert(t), rows[kind])
+        if rows["request"]:
+            _insert_requests(conn, rows["request"])
         for notify in rows["notify"]:  # delivered when this transaction commits
             conn.execute(text("SELECT pg_notify(:c, :p)"), notify)
 

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Protocol
 
 BATCH = 500
@@ -34,7 +35,10 @@ BACKOFF_MAX = 5.0
 class Op:
     seq: int
     kind: str
-    data: dict[str, Any]
+    data: Any  # what the sink needs to apply it: a mapping of columns, or a row's values
+
+
+_SEQ = attrgetter("seq")
 
 
 class Sink(Protocol):
@@ -152,7 +156,7 @@ class WriteBehind:
 
     # -- enqueue (never blocks on I/O, never raises) ----------------------------------------------
 
-    def put(self, kind: str, data: dict[str, Any]) -> None:
+    def put(self, kind: str, data: Any) -> None:
         with self._lock:
             if self._closed:
                 self.dropped += 1
@@ -160,7 +164,7 @@ class WriteBehind:
             self._seq += 1
             queued = len(self._ordered) + len(self._rows)
             (self._rows if kind in self.droppable else self._ordered).append(Op(self._seq, kind, data))
-            if self.pending > self.max_pending:
+            if queued + 1 + self._inflight > self.max_pending:  # self.pending, without the call
                 self._drop_oldest()
             if queued == 0 or queued + 1 >= self.batch:  # the writer only needs waking for these
                 self._has_work.notify()
@@ -204,9 +208,7 @@ class WriteBehind:
             self._linger()
             if self._stop:
                 return None
-            batch: list[Op] = []
-            while len(batch) < self.batch and (self._ordered or self._rows):
-                batch.append(self._pop_next())
+            batch = self._pop_batch()
             self._inflight = len(batch)
             self._inflight_first = batch[0].seq
             if not self._rows:
@@ -221,6 +223,16 @@ class WriteBehind:
             if remaining <= 0:
                 return
             self._has_work.wait(remaining)
+
+    def _pop_batch(self) -> list[Op]:
+        """Under the lock: up to `batch` operations in enqueue order."""
+        if len(self._ordered) + len(self._rows) > self.batch:
+            return [self._pop_next() for _ in range(self.batch)]
+        batch = [*self._ordered, *self._rows]  # the usual case: everything waiting
+        self._ordered.clear()
+        self._rows.clear()
+        batch.sort(key=_SEQ)  # two runs in order: the sort merges them
+        return batch
 
     def _pop_next(self) -> Op:
         if not self._rows:

@@ -12,36 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rows_util import NOW, REFUSED, ROW_CASES, STORED, T0, Partial, as_given, request
 from sqlalchemy import URL, event, insert
 
 import crossbar.backend as backend_mod
-from crossbar.schema import EVENTS
-from crossbar.store import Store, StoreError, _execute_many
+from crossbar.config import RouteConf
+from crossbar.decisions import Decision
+from crossbar.exchange import Exchange
+from crossbar.lease import Key
+from crossbar.schema import EVENTS, REQUEST_COLUMNS
+from crossbar.store import Store, StoreError, _execute_many, _request_values
+from crossbar.tap import Usage
 
 DAY = 86400.0
-T0 = 1_780_000_000.0  # some fixed UTC instant, well inside a day
-
-
-def request(**over: Any) -> dict[str, Any]:
-    row: dict[str, Any] = {
-        "route": "r1",
-        "fp": "fp1",
-        "model": "m1",
-        "host": "alpha",
-        "started": T0,
-        "queued_ms": 2,
-        "ttfb_ms": 30,
-        "total_ms": 100,
-        "status": 200,
-        "streamed": True,
-        "prompt_tokens": 50,
-        "cached_tokens": 40,
-        "completion_tokens": 10,
-        "err": None,
-        "decision": "reused",
-    }
-    row.update(over)
-    return row
 
 
 def raw(path: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
@@ -124,6 +107,15 @@ def test_leases_round_trip_including_pin_rows(store: Store) -> None:
     assert (lease.host, lease.state, lease.last_used) == ("alpha", "active", T0 + 1)
 
 
+def test_lease_names_are_stored_as_text_without_nul(store: Store) -> None:
+    store.save_lease("r\x00", 5, "m1", "alpha", "active", T0, T0)  # type: ignore[arg-type]
+    store.save_lease("r1", "fp1", "m\x00", "alpha", "active", T0, T0)
+    store.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
+    assert store.flush()
+    names = [(r.route, r.fp, r.model) for r in store.leases()]
+    assert names == [("r1", "fp1", "m1"), ("r1", "fp1", "m\ufffd"), ("r\ufffd", "5", "m1")]
+
+
 def test_upsert_updates_last_used_and_host(store: Store) -> None:
     store.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
     assert store.flush()
@@ -154,6 +146,38 @@ def test_last_operation_on_a_key_wins_within_one_batch(db_path: Path) -> None:
     s.start()
     assert s.flush()
     assert [(r.fp, r.host, r.last_used) for r in s.leases()] == [("back", "beta", T0 + 9)]
+    s.close()
+
+
+def test_last_drain_on_a_host_wins_within_one_batch(db_path: Path) -> None:
+    s = Store(str(db_path))
+    s.open()
+    s.save_drain("a", True, T0)
+    s.save_drain("b", True, T0)
+    s.save_drain("a", False, T0 + 1)
+    s.save_drain("c", False, T0)
+    s.save_drain("c", True, T0 + 2)
+    s.start()
+    assert s.flush()
+    assert s.drained_hosts() == {"b", "c"}
+    assert raw(db_path, "SELECT host, since FROM host_drains ORDER BY host") == [("b", T0), ("c", T0 + 2)]
+    s.close()
+
+
+def test_a_rollup_within_a_batch_sees_the_rows_before_it_and_not_those_after(db_path: Path) -> None:
+    s = Store(str(db_path))
+    s.open()
+    s.record_request(request(route="before", started=T0))
+    s.save_lease("r1", "fp1", "m1", "alpha", "active", T0, T0)
+    s.schedule_rollup(T0 + DAY)
+    s.record_request(request(route="after", started=T0 + 1))
+    s.delete_lease("r1", "fp1", "m1")
+    s.start()
+    assert s.flush()
+    assert s.last_rollup == 1
+    assert [r.route for r in s.requests_since(0)] == ["after"]
+    assert [r["key"] for r in s.usage(0, "route")] == ["after", "before"]
+    assert s.leases() == []
     s.close()
 
 
@@ -594,3 +618,77 @@ def test_a_batch_stays_within_the_connections_parameter_limit(db_path: Path) -> 
     assert s.flush()
     assert s.errors == 0 and len(s.requests_since(T0)) == 300
     s.close()
+
+
+# -- a request row's values: stored exactly as the dict-based normaliser stored them ------------
+
+@pytest.mark.parametrize("form", ["mapping", "tuple"])
+def test_request_rows_are_stored_exactly_as_before(form: str, db_path: Path) -> None:
+    s = Store(str(db_path), clock=lambda: NOW)
+    s.open()
+    counted = []
+    for over, _, _, _ in ROW_CASES:
+        bad, dropped = s.bad_figures, s.dropped
+        s.record_request(as_given(over, form))
+        counted.append((s.bad_figures - bad, s.dropped - dropped))
+    s.start()
+    assert s.flush()
+    s.close()
+    types = "typeof(started), typeof(queued_ms), typeof(total_ms)"
+    stored = raw(db_path, f"SELECT {', '.join(REQUEST_COLUMNS)}, {types} FROM requests ORDER BY id")
+    expected = [(over, tuple({**STORED, **want}.values())) for over, want, _, _ in ROW_CASES
+                if want is not None]
+    assert len(stored) == len(expected)
+    for (over, want), got in zip(expected, stored, strict=True):
+        assert got[:-3] == want, over
+    assert {row[-3:] for row in stored} == {("real", "integer", "integer")}
+    assert counted == [(bad, dropped) for _, _, bad, dropped in ROW_CASES]
+    refused = sum(1 for _, want, _, dropped in ROW_CASES if want is REFUSED and not dropped)
+    assert s.bad_figures == sum(case[2] for case in ROW_CASES)
+    assert s.dropped == sum(case[3] for case in ROW_CASES) + refused
+
+
+def test_the_usual_row_is_stored_as_it_is_given() -> None:
+    """The proxy's rows skip the normalising rebuild: the tuple enqueued is the one given."""
+    row = tuple(request()[c] for c in REQUEST_COLUMNS)
+    values, bad = _request_values(row, NOW)
+    assert values is row and bad == 0
+    unusual = tuple(request(status=99)[c] for c in REQUEST_COLUMNS)
+    assert _request_values(unusual, NOW) == ((*unusual[:8], None, *unusual[9:]), 1)
+
+
+def test_a_tuple_enqueues_the_values_and_types_a_mapping_does() -> None:
+    """What goes to the writer, not only what SQLite makes of it: PostgreSQL's driver may bind a
+    str or int subclass (an enum) or an int start by other rules than SQLite's."""
+    for over, _, bad, dropped in ROW_CASES:
+        if isinstance(over, Partial) or dropped:  # a partial row is no tuple; a dropped one raises
+            continue
+        row = request(**over)
+        as_tuple = _request_values(tuple(row[c] for c in REQUEST_COLUMNS), NOW)
+        as_mapping = _request_values(row, NOW)
+        assert [(type(v), v) for v in as_tuple[0]] == [(type(v), v) for v in as_mapping[0]], over
+        assert as_tuple[1] == as_mapping[1] == bad, over
+
+
+def test_a_row_of_the_wrong_length_is_dropped_and_counted(store: Store) -> None:
+    store.record_request(("r1", "fp1", "m1"))
+    assert store.dropped == 1 and store.pending == 0
+
+
+def test_an_exchange_row_has_the_columns_in_order() -> None:
+    route = RouteConf(name="r1", hosts=("alpha",))
+    usage = Usage(prompt_tokens=50, cached_tokens=40, completion_tokens=10)
+    ex = Exchange(route=route, key=Key("r1", "fp1", "m1"), path="/v1/chat/completions", completion=True,
+                  stream=True, started=T0, host="alpha", decision=Decision.REUSED, queued_ms=2, ttfb_ms=30,
+                  status=200, err="cut", usage=usage)
+    ex.t0 -= 0.1
+    row = dict(zip(REQUEST_COLUMNS, ex.row(), strict=True))
+    assert 100 <= row.pop("total_ms") < 1000
+    assert row == {"route": "r1", "fp": "fp1", "model": "m1", "host": "alpha", "started": T0, "queued_ms": 2,
+                   "ttfb_ms": 30, "status": 200, "streamed": True, "prompt_tokens": 50, "cached_tokens": 40,
+                   "completion_tokens": 10, "err": "cut", "decision": "reused"}
+    assert type(row["decision"]) is str
+    bare = Exchange(route=route, key=Key("r1", "", "m1"), path="/v1/models", completion=False)
+    row = dict(zip(REQUEST_COLUMNS, bare.row(), strict=True))
+    absent = ("host", "prompt_tokens", "cached_tokens", "completion_tokens", "decision")
+    assert [row[c] for c in absent] == [None] * 5

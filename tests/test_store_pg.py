@@ -3,6 +3,7 @@ SQLite from every read the admin views make, and a writer that survives the serv
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,10 +14,12 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from pg import PgServer
+from rows_util import NOW, ROW_CASES, STORED, as_given
 from sqlalchemy import create_engine
 from sqlmodel import SQLModel
 
 from crossbar.backend import VERSION_TABLE, alembic_config, head_revision, parse_db
+from crossbar.schema import REQUEST_COLUMNS
 from crossbar.store import Store, StoreError
 
 T0 = 1_780_000_000.0
@@ -188,3 +191,21 @@ def test_a_postgresql_database_at_an_older_revision_upgrades_keeping_its_rows(pg
                                                "completion_tokens": 20}]
     finally:
         store.close()
+
+
+def test_request_rows_land_as_on_sqlite_in_either_form(pg_url: str) -> None:
+    """The writer turns value tuples back into the mappings SQLAlchemy's executemany takes: both
+    forms store on PostgreSQL what SQLite stores (a boolean being a boolean)."""
+    s = Store(pg_url, clock=lambda: NOW)
+    s.open()
+    s.start()
+    for form in ("mapping", "tuple"):
+        for over, _, _, _ in ROW_CASES:
+            s.record_request(as_given(over, form))
+    assert s.flush()
+    stored = [tuple(getattr(r, c) for c in REQUEST_COLUMNS) for r in s.requests_since(-math.inf)]
+    expected = [tuple({**STORED, **want}.values()) for _, want, _, _ in ROW_CASES if want is not None]
+    as_sqlite = [(*row[:9], int(row[9]), *row[10:]) for row in stored]
+    assert as_sqlite == expected + expected
+    assert s.dropped == 2 * sum(1 for _, want, _, _ in ROW_CASES if want is None)  # not enqueued, or refused
+    s.close()

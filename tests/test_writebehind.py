@@ -27,8 +27,10 @@ class MemorySink:
         self.outages = outages
         self.rows: list[dict[str, object]] = []
         self.recovered = 0
+        self.batches: list[int] = []  # the size of every commit attempted
 
     def commit(self, ops: list[Op]) -> None:
+        self.batches.append(len(ops))
         if self.outages:
             self.outages -= 1
             raise sqlite_error("database is locked")
@@ -79,3 +81,20 @@ def test_a_refused_operation_is_dropped_and_everything_behind_it_lands(refusal: 
 )
 def test_sqlite_errors_that_are_worth_a_retry(message: str, retry: bool) -> None:
     assert transient(sqlite_error(message)) is retry
+
+
+@pytest.mark.parametrize("batch", [3, 500])
+def test_batches_keep_enqueue_order_across_droppable_and_other_kinds(batch: int) -> None:
+    """Droppable and other operations wait in two queues: a batch takes them in enqueue order,
+    whether the backlog fits one batch or not."""
+    sink = MemorySink(RuntimeError("unused"))
+    queue = WriteBehind(sink, name="memory", droppable=("row",), max_pending=100, log=log, batch=batch,
+                        linger=0)
+    kinds = ["row", "lease", "lease", "row", "row", "row", "lease", "row", "lease", "lease"]
+    for n, kind in enumerate(kinds):
+        queue.put(kind, {"n": n})
+    queue.start("test-writer")
+    assert queue.flush(timeout=5)
+    assert sink.rows == [{"n": n} for n in range(len(kinds))]
+    assert sink.batches == ([3, 3, 3, 1] if batch == 3 else [10])
+    queue.stop()
