@@ -43,10 +43,13 @@ CLIENTS = 4
 
 @dataclass(frozen=True)
 class Count:
-    """Instructions per request: all threads, and the event loop's thread alone."""
+    """Instructions per request: all threads, and the event loop's thread alone; with the cache
+    simulation, the event loop thread's first-level data and instruction cache misses too."""
 
     total: float
     loop: float
+    d1_misses: float | None = None
+    i1_misses: float | None = None
 
 
 async def load(proxy: bench.Proxy, requests: int) -> None:
@@ -74,15 +77,20 @@ def callgrind_control(pid: int, *args: str) -> None:
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True, timeout=120)
 
 
-def counted(dump: Path) -> int:
-    """The instruction total of a callgrind dump."""
+def counted(dump: Path) -> dict[str, int]:
+    """The totals of a callgrind dump, by event (Ir: instructions; with the cache simulation D1mr,
+    I1mr, ...: misses)."""
+    events: list[str] = []
     for line in dump.read_text().splitlines():
-        if line.startswith("summary:"):
-            return int(line.split()[1])
+        if line.startswith("events:"):
+            events = line.split()[1:]
+        elif line.startswith("summary:"):
+            return dict(zip(events, map(int, line.split()[1:]), strict=True))
     raise RuntimeError(f"{dump}: no summary line")
 
 
-async def per_request(name: str, tree: Path | None, requests: int, workdir: Path) -> Count:
+async def per_request(name: str, tree: Path | None, requests: int, workdir: Path,
+                      cache_sim: bool = False) -> Count:
     """Instructions per request of bare mitmdump (`tree` None) or of crossbar from `tree`."""
     host_port, port = bench.free_port(), bench.free_port()
     config = bench.write_crossbar_toml(workdir / f"{name}.toml", port, workdir / f"{name}.db",
@@ -92,7 +100,7 @@ async def per_request(name: str, tree: Path | None, requests: int, workdir: Path
     config.write_text(config.read_text().replace('poll_timeout = "2s"', 'poll_timeout = "60s"'))
     out = workdir / f"callgrind.{name}"
     valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
-                f"--callgrind-out-file={out}.%p"]
+                *(["--cache-sim=yes"] if cache_sim else []), f"--callgrind-out-file={out}.%p"]
     if tree is None:
         cmd, ready, prefix = bench.bare_mitmdump_cmd({port: host_port}, config), "/health", ""
     else:
@@ -111,16 +119,20 @@ async def per_request(name: str, tree: Path | None, requests: int, workdir: Path
     dumps = sorted(workdir.glob(f"callgrind.{name}.*.1-*"))  # one per thread: -01 is the event loop's
     if not dumps:
         raise RuntimeError(f"{name}: callgrind wrote no dump")
-    threads = [counted(dump) / requests for dump in dumps]
-    return Count(total=sum(threads), loop=threads[0])
+    threads = [counted(dump) for dump in dumps]
+    loop = threads[0]
+    misses = {key: loop[key] / requests if key in loop else None for key in ("D1mr", "I1mr")}
+    return Count(total=sum(t["Ir"] for t in threads) / requests, loop=loop["Ir"] / requests,
+                 d1_misses=misses["D1mr"], i1_misses=misses["I1mr"])
 
 
-async def measure(trees: Sequence[Path], requests: int, keep: Path | None) -> dict[str, Count]:
+async def measure(trees: Sequence[Path], requests: int, keep: Path | None,
+                  cache_sim: bool = False) -> dict[str, Count]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        result = {"mitmdump": await per_request("mitmdump", None, requests, workdir)}
+        result = {"mitmdump": await per_request("mitmdump", None, requests, workdir, cache_sim)}
         for i, tree in enumerate(trees):
-            result[str(tree)] = await per_request(f"crossbar{i}", tree, requests, workdir)
+            result[str(tree)] = await per_request(f"crossbar{i}", tree, requests, workdir, cache_sim)
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
             for dump in workdir.glob("callgrind.*"):
@@ -135,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the figures as JSON")
     parser.add_argument("--keep", type=Path, metavar="DIR",
                         help="keep the callgrind dumps (one per proxy and thread) in DIR")
+    parser.add_argument("--cache-sim", action="store_true",
+                        help="also simulate the caches: the event loop's first-level misses per request")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         parser.error("valgrind is not installed (apt install valgrind)")
@@ -143,13 +157,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (tree / "addons" / "crossbar.py").is_file():
             parser.error(f"{tree} is not a crossbar checkout (no addons/crossbar.py)")
     signal.signal(signal.SIGTERM, bench._sigterm)  # unwinds, so every process started is stopped
-    result = asyncio.run(measure([bench.ROOT, *others], args.requests, args.keep))
+    result = asyncio.run(measure([bench.ROOT, *others], args.requests, args.keep, args.cache_sim))
     bare = result["mitmdump"]
     rows = [[name if name == "mitmdump" else f"crossbar, {name}", bench.fmt(count.total, 0),
              bench.fmt(count.total / bare.total, 3), bench.fmt(count.loop, 0),
              bench.fmt(count.total - count.loop, 0)] for name, count in result.items()]
-    print(bench.markdown(["proxy", "instructions per request", "÷ bare mitmdump", "event loop thread",
-                          "other threads"], rows))
+    head = ["proxy", "instructions per request", "÷ bare mitmdump", "event loop thread", "other threads"]
+    if args.cache_sim:
+        head += ["D1 misses (event loop)", "I1 misses (event loop)"]
+        for row, count in zip(rows, result.values(), strict=True):
+            row += [bench.fmt(count.d1_misses, 0), bench.fmt(count.i1_misses, 0)]
+    print(bench.markdown(head, rows))
     if args.out:
         args.out.write_text(json.dumps({name: asdict(count) for name, count in result.items()}, indent=2))
     return 0

@@ -307,17 +307,15 @@ def _execute_compiled(conn: Connection, found: _Compiled, rows: list[tuple[Any, 
     if found.rows_at < 0:
         conn.exec_driver_sql(found.sql, rows)
         return
-    per_statement = _rows_per_insert(conn, len(rows), len(found.order))
+    per_statement = _rows_per_insert(conn, len(found.order))
     for at in range(0, len(rows), per_statement):
         chunk = rows[at:at + per_statement]
         conn.exec_driver_sql(found.many_rows(len(chunk)), tuple(chain.from_iterable(chunk)))
 
 
-def _rows_per_insert(conn: Connection, rows: int, width: int) -> int:
-    """How many rows of `width` values one INSERT takes: all of them when they fit the parameter
-    limit of any SQLite build (the connection is asked only for more)."""
-    if rows <= ROWS_PER_INSERT and rows * width <= _LEAST_VARIABLE_LIMIT:
-        return rows
+def _rows_per_insert(conn: Connection, width: int) -> int:
+    """How many rows of `width` values one INSERT takes: within the connection's parameter limit
+    (a build or a connection may set it lower than SQLite's default)."""
     return max(1, min(ROWS_PER_INSERT, _variable_limit(conn) // width))
 
 
@@ -369,7 +367,7 @@ def _request_values(row: RequestValues | Mapping[str, Any], now: float) -> tuple
     row's values in REQUEST_COLUMNS order, and how many figures were out of range (stored as NULL,
     or 0 where the column cannot be NULL). A tuple is in REQUEST_COLUMNS order; a mapping may leave
     columns out."""
-    if type(row) is tuple:
+    if isinstance(row, tuple):
         if _usual(row):
             return row, 0
         row = dict(zip(REQUEST_COLUMNS, row, strict=True))

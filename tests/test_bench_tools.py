@@ -15,11 +15,14 @@ import instructions
 import bench
 
 
-def test_a_callgrind_dump_is_read_for_its_instruction_total(tmp_path: Path) -> None:
+def test_a_callgrind_dump_is_read_for_its_totals(tmp_path: Path) -> None:
     dump = tmp_path / "callgrind.x.1"
     dump.write_text("version: 1\ncreator: callgrind-3.19.0\npart: 1\nevents: Ir\nsummary: 2078437611\n"
                     "totals: 2078438221\n")
-    assert instructions.counted(dump) == 2078437611
+    assert instructions.counted(dump) == {"Ir": 2078437611}
+    dump.write_text("events: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw\nsummary: 900 300 100 40 12 3 1 2 0\n")
+    assert instructions.counted(dump) == {"Ir": 900, "Dr": 300, "Dw": 100, "I1mr": 40, "D1mr": 12, "D1mw": 3,
+                                          "ILmr": 1, "DLmr": 2, "DLmw": 0}
     dump.write_text("events: Ir\n")
     with pytest.raises(RuntimeError, match="no summary"):
         instructions.counted(dump)

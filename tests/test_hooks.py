@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +21,7 @@ from crossbar.addons import Runtime, make_addons
 from crossbar.addons.runtime import META
 from crossbar.admin import Admin
 from crossbar.app import Router
-from crossbar.tap import SSETap
+from crossbar.tap import WHOLE_BODY_MAX, SSETap
 
 CHAT_BODY = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
 
@@ -234,3 +235,31 @@ async def test_admin_failure_is_a_json_500(tmp_path: Path) -> None:
         await r.request(f)
         assert f.response is not None and f.response.status_code == 500
         assert json.loads(f.response.content)["error"]["code"] == 500
+
+
+async def test_a_compressed_answer_whose_decoding_fails_counts_no_usage(tmp_path: Path) -> None:
+    """The worker thread that decodes a compressed answer fails: the request ends without usage,
+    and the still-compressed bytes are never read as a plain answer (a stored gzip block carries
+    the JSON as it is)."""
+    # large enough to be read at its edges, where a stored block shows the JSON's tail as it is
+    text = "x" * (WHOLE_BODY_MAX + 1)
+    reply = json.dumps({"choices": [{"message": {"content": text}}],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 3}}).encode()
+
+    def fails(*args: Any) -> Any:
+        raise RuntimeError("the decoding thread failed")
+
+    async with rig(tmp_path) as r:
+        f = make_flow("/r/v1/chat/completions", CHAT_BODY)
+        await r.request(f)
+        headers = http.Headers(content_type="application/json", content_encoding="gzip")
+        f.response = tutils.tresp(headers=headers, content=b"")
+        f.response.raw_content = gzip.compress(reply, compresslevel=0)
+        await r.responseheaders(f)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("crossbar.addons.account.usage_of_encoded", fails)
+            with pytest.raises(RuntimeError):
+                await r.response(f)
+        rows = await r.rows()
+        assert len(rows) == 1 and rows[0].prompt_tokens is None and rows[0].completion_tokens is None
+        assert r.router.in_flight("a", "m") == 0

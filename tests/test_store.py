@@ -7,6 +7,7 @@ import shutil
 import sqlite3
 import threading
 import time
+from collections import namedtuple
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -599,24 +600,41 @@ def test_a_batch_of_request_rows_is_one_statement_not_one_per_row(db_path: Path)
     s.close()
 
 
-def test_a_batch_stays_within_the_connections_parameter_limit(db_path: Path) -> None:
-    """SQLite builds before 3.32 take 999 parameters per statement: a multi-row INSERT is cut to
-    fit, instead of failing and being retried a row at a time."""
+@pytest.mark.parametrize(("limit", "rows"), [(999, 300), (100, 20)])
+def test_a_batch_stays_within_the_connections_parameter_limit(limit: int, rows: int, db_path: Path) -> None:
+    """SQLite builds before 3.32 take 999 parameters per statement, and a build or a connection
+    may set fewer: a multi-row INSERT is cut to fit, instead of failing and being retried a row at
+    a time."""
     s = Store(str(db_path))
     s.open()
     assert s._writer is not None
 
     def small_limit(dbapi_conn: Any, record: Any) -> None:
-        dbapi_conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+        dbapi_conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)
 
     event.listen(s._writer, "connect", small_limit)
     s._writer.dispose()  # connections made from now on take the limit
-    for i in range(300):
+    for i in range(rows):
         s.record_request({"route": "r", "fp": f"f{i}", "model": "m", "started": T0 + i, "queued_ms": 0,
                           "total_ms": 1, "streamed": False})
     s.start()
     assert s.flush()
-    assert s.errors == 0 and len(s.requests_since(T0)) == 300
+    assert s.errors == 0 and len(s.requests_since(T0)) == rows
+    s.close()
+
+
+def test_a_row_given_as_a_named_tuple_is_stored_as_a_plain_tuple_is(db_path: Path) -> None:
+    row_type = namedtuple("row_type", REQUEST_COLUMNS)  # type: ignore[misc]
+    s = Store(str(db_path), clock=lambda: NOW)
+    s.open()
+    values = ("r", "f", "m", "a", T0, 0, 5, 9, 200, False, 10, 4, 2, None, "new")
+    s.record_request(row_type(*values))
+    s.record_request(values)
+    s.start()
+    assert s.flush()
+    assert s.errors == 0 and s.dropped == 0
+    stored = raw(db_path, f"SELECT {', '.join(REQUEST_COLUMNS)} FROM requests ORDER BY id")
+    assert stored == [values, values]
     s.close()
 
 

@@ -53,7 +53,7 @@ class Account:
             flow.metadata[TAIL] = flow.response.stream = BodyTail()
 
     async def response(self, flow: http.HTTPFlow) -> None:
-        decoded: Usage | _Plain | None = PLAIN
+        decoded: Usage | _Plain | None = None  # a compressed answer whose decoding failed: no usage
         try:
             decoded = await self._usage_of_encoded(flow)
         finally:
@@ -81,9 +81,11 @@ class Account:
         mitmproxy buffers an answer at; one it cannot read counts as a dropped figure. PLAIN when
         there is no such answer to decode."""
         ex, cfg, response = exchange_of(flow), self.rt.cfg, flow.response
-        if (ex is None or cfg is None or response is None or not ex.completion or ex.tap is not None
+        if (ex is None or response is None or not ex.completion or ex.tap is not None
                 or TAIL in flow.metadata or flow.metadata.get(LOCAL) or not _encoded(response)):
             return PLAIN
+        if cfg is None:
+            return None
         encoding, cap = response.headers["content-encoding"], cfg.buffered_body_max
         found = await asyncio.to_thread(usage_of_encoded, response.raw_content or b"", encoding, cap)
         if found.unread:
