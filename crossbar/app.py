@@ -229,15 +229,14 @@ class Router:
         fleet = self.fleet
 
         def candidate(name: str) -> Candidate:
-            st, conf = fleet.state[name], fleet.conf_of(name)
-            key = model if st.router else ""
+            st, conf, key = fleet.state[name], fleet.conf_of(name), fleet.slot_key(name, model)
             running, slots = self.limiter.in_flight(name, key), fleet.capacity(name, key)
             return Candidate(
                 name=name,
                 healthy=st.healthy,
                 draining=st.draining,
                 loaded=bool(model) and fleet.loaded(name, model),
-                listed=model in conf.models,
+                listed=conf.serves(model),
                 free_slots=fleet.free_slots(name, model, running, slots),
                 weight=conf.weight,
                 queued=self.limiter.queued(name, key),

@@ -233,8 +233,7 @@ class Fleet:
         """Free slots from the host's own `/slots` when known, never more than our own view.
         A slot the reading saw busy with one of crossbar's own requests that has ended since is
         counted free again. `capacity`: the slot key's, when the caller has it already."""
-        st = self.state[host]
-        key = model if st.router else ""
+        st, key = self.state[host], self.slot_key(host, model)
         ours = (self.capacity(host, key) if capacity is None else capacity) - in_flight
         reported = st.free_slots.get(key)
         if reported is None:

@@ -124,7 +124,7 @@ def body_framing(head: bytes) -> tuple[str, int]:
     encoding: bytes | None = None
     for field_ in _FRAMING_FIELD.finditer(head):
         name, value = field_.group(1), field_.group(2).strip()
-        if len(name) == len(b"transfer-encoding"):
+        if name.lower() == b"transfer-encoding":
             encoding = value.lower()
         elif length is not None and length != value:
             return PASS, 0

@@ -375,13 +375,18 @@ def _request_values(row: RequestValues | Mapping[str, Any], now: float) -> tuple
     return _IN_COLUMN_ORDER(out), bad
 
 
+def _plain_key(route: Any, fp: Any, model: Any) -> bool:
+    """A conversation key `_text` would keep as it is: three strings without NUL."""
+    return type(route) is type(fp) is type(model) is str and "\x00" not in route + fp + model
+
+
 def _usual(row: RequestValues) -> bool:
     """True when `_normalised` would keep every value of `row` as it is, as it does for nearly every
     row the proxy writes: then the row is stored without being rebuilt."""
     (route, fp, model, host, started, queued_ms, ttfb_ms, total_ms, status, streamed,
      prompt, cached, completion, err, decision) = row
     # one guard a line: measured faster than one condition spread over many lines
-    if not (type(route) is type(fp) is type(model) is str and "\x00" not in route + fp + model):
+    if not _plain_key(route, fp, model):
         return False
     if not (host is None or (type(host) is str and "\x00" not in host)):
         return False
@@ -546,7 +551,7 @@ class Store:
     def save_lease(
         self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float
     ) -> None:
-        if not (type(route) is type(fp) is type(model) is str and "\x00" not in route + fp + model):
+        if not _plain_key(route, fp, model):
             route, fp, model = _text(route), _text(fp), _text(model)
         self._queue.put("lease", {"route": route, "fp": fp, "model": model, "host": host, "state": state,
                                   "created": float(created), "last_used": float(last_used)})

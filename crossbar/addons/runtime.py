@@ -74,7 +74,9 @@ class Runtime:
 
     def gone_event(self, flow: http.HTTPFlow) -> asyncio.Event:
         event = self.gone.get(flow.client_conn)
-        return self.gone.setdefault(flow.client_conn, asyncio.Event()) if event is None else event
+        if event is None:
+            event = self.gone[flow.client_conn] = asyncio.Event()
+        return event
 
     def answer(self, flow: http.HTTPFlow, exc: CrossbarError, ex: Exchange | None) -> None:
         """crossbar's own JSON error answer, counted by its reason."""
