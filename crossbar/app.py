@@ -22,13 +22,13 @@ from crossbar.config import Config, HostConf, RouteConf
 from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.exchange import Exchange
 from crossbar.fleetwide import FLEET_SLOT_WAIT, Fleetwide
-from crossbar.guard import TokenEstimator, overflow
+from crossbar.guard import TokenEstimator, fits, overflow
 from crossbar.hosts import Fleet, Poller, PollResult
 from crossbar.learn import BusyMeter, RateLearner
 from crossbar.lease import Key, LeaseEvent, LeaseTable
 from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull, Ticket
 from crossbar.metrics import CounterCollector, LiveCollector, Metrics, SlotRow
-from crossbar.placement import Ask, Change, Placement, Refusal, Snapshot, place
+from crossbar.placement import Ask, Change, Home, Placement, Refusal, Snapshot, place, stay
 from crossbar.reload import Change as ConfigChange
 from crossbar.reload import stranded
 from crossbar.request import match_route
@@ -340,8 +340,26 @@ class Router:
         """Place the request, apply its lease change and take a slot on its host. A host that goes
         down while the request waits, or is found unusable once the slot is granted, sends the
         request on (the lease moves only once the new host's slot is held)."""
-        self._settle(ex, await self.place(ex))
+        placed = self._stays(ex)
+        self._settle(ex, placed if placed is not None else await self.place(ex))
         await self._slot_until_usable(ex, gone)
+
+    def _stays(self, ex: Exchange) -> Placement | None:
+        """A turn that stays on its lease host, read from that host alone (`placement.stay`);
+        None: `place` decides. With several instances too: only a conversation without a lease
+        in memory looks for one in the shared table, and this needs one in memory."""
+        if not ex.completion:
+            return None
+        view = self.leases.view(ex.key, own=True)
+        fleet, host, model = self.fleet, view.host, ex.model
+        st = fleet.state.get(host)
+        if st is None or not model:
+            return None
+        key = fleet.slot_key(host, model)
+        home = Home(known=fleet.knows(host, model), healthy=st.healthy,
+                    fits=fits(self.estimate(ex, host), fleet.slot_ctx(host, model)),
+                    free=fleet.free_slots(host, model, self.limiter.in_flight(host, key)) > 0)
+        return stay(self._ask(ex, Reason.UNHEALTHY), view, home, time.time(), self.cfg.lease_idle)
 
     def _settle(self, ex: Exchange, placed: Placement) -> None:
         self.leases.apply(ex.key, placed.change, time.time())

@@ -19,6 +19,10 @@ The rules, in order:
   inherit    a new fingerprint takes its route's fingerprint-less lease host when that is open
   choose     else `choose()` ranks the open hosts where the prompt fits
 
+Most requests are a conversation's next turn on the host its lease already names. `stay` answers
+that case from the lease host's own state alone, exactly as `place` would, and hands every other
+case to `place`; the request path asks it first and skips reading the route's fleet.
+
 The values placement reads and returns for every request are named tuples: immutable like frozen
 dataclasses, and built in one step rather than one `object.__setattr__` call per field.
 """
@@ -101,6 +105,15 @@ class Placement(NamedTuple):
     loads_model: bool = False  # no open host had the model loaded: this one will load it
 
 
+class Home(NamedTuple):
+    """What the fleet says about a lease's own host, for `stay`."""
+
+    known: bool  # the host lists or reports the model
+    healthy: bool
+    fits: bool  # the prompt fits its per-slot context for the model
+    free: bool  # it has a free slot for the model
+
+
 @dataclass(frozen=True, slots=True)
 class Refusal:
     reason: Rejection  # MISSING_MODEL | UNKNOWN_MODEL | PINNED_DOWN | NO_HOST | CONTEXT
@@ -176,6 +189,18 @@ def place(ask: Ask, snap: Snapshot, lease: LeaseView, now: float, lease_idle: fl
     host, loads = found
     decision = Decision.RETRIED if ask.excluded else Decision.IDLE if lease.idled else Decision.NEW
     return Placement(host, decision, LeaseChange(Change.CREATE, host), loads)
+
+
+def stay(ask: Ask, lease: LeaseView, home: Home, now: float, lease_idle: float) -> Placement | None:
+    """The usual turn, decided from its lease host alone: the answer `place` gives when the
+    conversation stays where it is (healthy host, prompt fits, a free slot, so nothing to yield),
+    or None whenever `place` has more to weigh."""
+    host = lease.host
+    if (not host or lease.pin or ask.read or ask.excluded or not ask.model or host not in ask.hosts
+            or not (home.known and home.healthy and home.fits and (home.free or ask.yield_factor <= 0))
+            or not (lease.busy or now - lease.last_used <= lease_idle)):
+        return None
+    return Placement(host, Decision.REUSED, LeaseChange(Change.USE, host))
 
 
 def _pinned(fleet: _Fleet, lease: LeaseView) -> Placement | Refusal:

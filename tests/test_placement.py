@@ -10,10 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from crossbar.choose import Candidate
 from crossbar.decisions import Decision, Reason, Rejection
-from crossbar.placement import Ask, Change, LeaseChange, LeaseView, Placement, Refusal, Snapshot, place
+from crossbar.guard import fits
+from crossbar.placement import (
+    Ask,
+    Change,
+    Home,
+    LeaseChange,
+    LeaseView,
+    Placement,
+    Refusal,
+    Snapshot,
+    place,
+    stay,
+)
 from crossbar.yieldpolicy import YIELD, HostLoad, Rates, Running
 
 HOSTS = ("a", "b", "c")
@@ -201,3 +215,78 @@ def test_no_change_on_a_refusal_or_a_read() -> None:
 
 def test_the_yield_reason_is_the_policys_word() -> None:
     assert str(Reason.YIELD) == YIELD and str(Decision.YIELD) == f"moved:{YIELD}"
+
+
+# ------------------------------------------------------------------ the usual turn, decided alone
+
+HOST_NAMES = ("a", "b", "c", "gone")  # "gone": a lease host no longer among the route's hosts
+
+
+@st.composite
+def situations(draw: st.DrawFn) -> tuple[Ask, Snapshot, LeaseView, float]:
+    """A request, the route's fleet as the router would build it, and the conversation's lease."""
+    hosts = tuple(draw(st.permutations(HOSTS))[:draw(st.integers(1, 3))])
+    cands, ctx, tokens = {}, {}, {}
+    for i, name in enumerate(hosts):
+        healthy, draining, loaded, listed = (draw(st.booleans()) for _ in range(4))
+        cands[name] = Candidate(name, healthy, draining, loaded, listed, draw(st.integers(-1, 2)), 1.0,
+                                draw(st.integers(0, 2)), i)
+        ctx[name] = draw(st.sampled_from((0, 100, 1000)))
+        tokens[name] = draw(st.sampled_from((50, 100, 500, 2000)))
+    learned = draw(st.booleans())
+    snap = Snapshot(cands, ctx, any(c.loaded or c.listed for c in cands.values()),
+                    tokens if learned else None, loads() if draw(st.booleans()) else None)
+    ask = Ask("r", draw(st.sampled_from(("m", ""))), hosts, fp=draw(st.sampled_from(("fp", ""))),
+              read=draw(st.booleans()), tokens=draw(st.sampled_from((0, 100, 500))),
+              excluded=frozenset(draw(st.lists(st.sampled_from(HOSTS), max_size=2))),
+              why=draw(st.sampled_from((Reason.UNHEALTHY, Reason.RETRIED))),
+              yield_factor=draw(st.sampled_from((0.0, 2.0))))
+    lease = LeaseView(pin=draw(st.sampled_from(("", "", "", "a"))),
+                      host=draw(st.sampled_from(("", *HOST_NAMES))),
+                      last_used=NOW - draw(st.sampled_from((1.0, IDLE, IDLE + 1))), busy=draw(st.booleans()),
+                      parent=draw(st.sampled_from(("", "b"))))
+    return ask, snap, lease, NOW
+
+
+def home_of(ask: Ask, snap: Snapshot, host: str) -> Home:
+    """The lease host's facts as the router reads them for `stay`."""
+    c = snap.candidates.get(host)
+    if c is None:
+        return Home(known=False, healthy=False, fits=False, free=False)
+    tokens = ask.tokens if snap.tokens is None else snap.tokens.get(host, ask.tokens)
+    return Home(known=c.loaded or c.listed, healthy=c.healthy, fits=fits(tokens, snap.ctx.get(host, 0)),
+                free=c.free_slots > 0)
+
+
+@settings(max_examples=3000, deadline=None)
+@given(situations())
+def test_a_turn_that_stays_is_placed_as_place_would(
+        situation: tuple[Ask, Snapshot, LeaseView, float]) -> None:
+    ask, snap, lease, now = situation
+    kept = stay(ask, lease, home_of(ask, snap, lease.host), now, IDLE)
+    if kept is not None:
+        assert kept == place(ask, snap, lease, now, IDLE)
+
+
+def test_the_usual_turn_stays_without_the_fleet() -> None:
+    """`stay` answers the common case (else the property above would hold vacuously), and hands
+    each thing it cannot weigh to `place`."""
+    ask = Ask("r", "m", HOSTS, fp="fp", yield_factor=2.0)
+    home = Home(known=True, healthy=True, fits=True, free=True)
+    assert stay(ask, LIVE, home, NOW, IDLE) == P("a", Decision.REUSED, LeaseChange(Change.USE, "a"))
+    assert stay(ask._replace(yield_factor=0.0), LIVE, home._replace(free=False), NOW, IDLE) is not None
+    assert stay(ask, LIVE._replace(last_used=NOW - IDLE - 1, busy=True), home, NOW, IDLE) is not None
+    for ask_, lease, home_ in [
+        (ask, LIVE, home._replace(free=False)),  # yield is weighed by place
+        (ask, LIVE, home._replace(healthy=False)),
+        (ask, LIVE, home._replace(fits=False)),
+        (ask, LIVE, home._replace(known=False)),
+        (ask, LIVE._replace(last_used=NOW - IDLE - 1), home),  # idle
+        (ask, LIVE._replace(pin="b"), home),
+        (ask, LeaseView(), home),
+        (ask._replace(excluded=frozenset({"c"})), LIVE, home),
+        (ask._replace(read=True), LIVE, home),
+        (ask._replace(model=""), LIVE, home),
+        (ask._replace(hosts=("b", "c")), LIVE, home),
+    ]:
+        assert stay(ask_, lease, home_, NOW, IDLE) is None, (ask_, lease, home_)
