@@ -434,7 +434,7 @@ class Router:
         database round trip.) The local ticket is given back at once when none can be had
         (`QueueFull`, `ClientGone`)."""
         fw = self.fleetwide
-        parallel = self.fleet.configured_parallel(ex.host, key)
+        parallel = self.fleet.configured_parallel(ex.host, key) if fw is not None else None
         if fw is None or not parallel:
             return self._release
         wait = FLEET_SLOT_WAIT if ex.route.queue else 0.0

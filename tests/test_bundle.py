@@ -51,6 +51,28 @@ async def test_handlers_run_in_order_each_awaited_before_the_next() -> None:
     assert calls == ["a.request", "b.request", "a.response", "b.response"]
 
 
+class ReturnsAwaitable:
+    """A plain function that hands back something to await, which mitmproxy awaits too."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def request(self, flow: object) -> object:
+        async def later() -> None:
+            await asyncio.sleep(0.01)
+            self.calls.append("late.request")
+
+        return later()
+
+
+async def test_an_awaitable_a_plain_handler_returns_is_awaited_before_the_next() -> None:
+    calls: list[str] = []
+    bundle = Bundle([ReturnsAwaitable(calls), Recorder("b", calls, sleep=True)])
+    with taddons.context(bundle) as tctx:
+        await tctx.master.addons.handle_lifecycle(HttpRequestHook(tflow.tflow()))
+    assert calls == ["late.request", "b.request"]
+
+
 async def test_an_exception_ends_the_event_for_later_handlers(caplog: pytest.LogCaptureFixture) -> None:
     calls: list[str] = []
     bundle = Bundle([Recorder("a", calls, fail=True), Recorder("b", calls)])

@@ -55,8 +55,15 @@ def _run_sync(handlers: tuple[Handler, ...]) -> Handler:
 
 
 def _run_async(handlers: tuple[Handler, ...]) -> Callable[..., Awaitable[None]]:
+    # a coroutine function's result is awaited as it is; any other handler's only when it
+    # returned an awaitable (mitmproxy's own rule), which the usual None skips without a check
+    steps = tuple((handler, inspect.iscoroutinefunction(handler)) for handler in handlers)
+
     async def hook(*args: Any) -> None:
-        for handler in handlers:
+        for handler, is_coroutine in steps:
+            if is_coroutine:
+                await handler(*args)
+                continue
             result = handler(*args)
             if result is not None and inspect.isawaitable(result):
                 await result
