@@ -1,6 +1,6 @@
 """Requests per second and CPU per request of two crossbar trees and bare mitmdump, side by side.
 
-    .venv/bin/python bench/rps_ab.py OTHER_TREE [--windows N] [--out FILE.json]
+    .venv/bin/python bench/rps_ab.py OTHER_TREE [--windows N] [--pin] [--out FILE.json]
 
 OTHER_TREE is another checkout of crossbar (say `git worktree add /tmp/before <commit>`); it runs
 from this tree's virtualenv. The load is the pressure section's (16 keep-alive clients, small
@@ -9,6 +9,10 @@ in turn, the order rotating, so all three see the machine at the same moments; o
 machine whose speed drifts, comparing separate runs says little. Reported per crossbar tree: the
 median over rounds of its requests/s ÷ bare mitmdump's, and of its CPU time per request ÷ bare
 mitmdump's (user + system of all its threads, from /proc). Every process it starts is stopped by it.
+
+`--pin` runs the proxies on the last CPU and the load and the simulated host on the others (with
+`taskset`), so that the proxy under load has a CPU of its own and is what limits the rate; without
+it the scheduler places every process, and a proxy may share a CPU with the load or the host.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,7 +35,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench
 
 
-async def measure(other: Path, windows: int) -> dict[str, Any]:
+def pinned(cmd: list[str], cpus: set[int] | None) -> list[str]:
+    """`cmd` run on `cpus` only (None: wherever the scheduler puts it)."""
+    return cmd if cpus is None else ["taskset", "-c", ",".join(map(str, sorted(cpus))), *cmd]
+
+
+def split_cpus(available: set[int]) -> tuple[set[int], set[int]]:
+    """(the proxies' CPU, the load's and the simulated host's CPUs): the last one for the proxies."""
+    if len(available) < 2:
+        raise ValueError("--pin needs at least two CPUs")
+    last = max(available)
+    return {last}, available - {last}
+
+
+async def measure(other: Path, windows: int, proxy_cpus: set[int] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         host_port, bare_port, this_port, other_port = (bench.free_port() for _ in range(4))
@@ -43,13 +62,15 @@ async def measure(other: Path, windows: int) -> dict[str, Any]:
         async with contextlib.AsyncExitStack() as stack:
             host_cmd = bench.sim_cmd(host_port, 0.0, 1, slots=bench.RPS_CLIENTS)
             await stack.enter_async_context(bench.running("host", host_cmd, workdir, host_port, "/health"))
-            bare_cmd = bench.bare_mitmdump_cmd({bare_port: host_port}, this_cfg)
+            bare_cmd = pinned(bench.bare_mitmdump_cmd({bare_port: host_port}, this_cfg), proxy_cpus)
             bare = await stack.enter_async_context(bench.running("mitmdump", bare_cmd, workdir, bare_port,
                                                                  "/health"))
             this = await stack.enter_async_context(bench.running(
-                "this", bench.crossbar_cmd(this_cfg), workdir, this_port, "/_crossbar/hosts"))
+                "this", pinned(bench.crossbar_cmd(this_cfg), proxy_cpus), workdir, this_port,
+                "/_crossbar/hosts"))
             that = await stack.enter_async_context(bench.running(
-                "other", bench.crossbar_cmd(other_cfg, other), workdir, other_port, "/_crossbar/hosts"))
+                "other", pinned(bench.crossbar_cmd(other_cfg, other), proxy_cpus), workdir, other_port,
+                "/_crossbar/hosts"))
             proxies = [bench.Proxy("mitmdump", bare, bare_port, bench.CHAT, bare_port, ""),
                        bench.Proxy("this", this, this_port, "", this_port, "/bench"),
                        bench.Proxy("other", that, other_port, "", other_port, "/bench")]
@@ -86,13 +107,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("other", type=Path, help="another crossbar checkout")
     parser.add_argument("--windows", type=int, default=15, help="1 s windows per proxy (default 15)")
+    parser.add_argument("--pin", action="store_true",
+                        help="proxies on the last CPU, the load and the simulated host on the others")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
     other = args.other.resolve()
     if not (other / "addons" / "crossbar.py").is_file():
         parser.error(f"{other} is not a crossbar checkout (no addons/crossbar.py)")
+    proxy_cpus = None
+    if args.pin:
+        if shutil.which("taskset") is None:
+            parser.error("--pin needs taskset (util-linux)")
+        try:
+            proxy_cpus, load_cpus = split_cpus(os.sched_getaffinity(0))
+        except ValueError as exc:
+            parser.error(str(exc))
+        os.sched_setaffinity(0, load_cpus)  # this process (the load) and the simulated host it starts
     signal.signal(signal.SIGTERM, bench._sigterm)  # unwinds, so every process started is stopped
-    result = asyncio.run(measure(other, args.windows))
+    result = asyncio.run(measure(other, args.windows, proxy_cpus))
+    result["pinned"] = proxy_cpus is not None
     print(table(result, other))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import instructions
+import rps_ab
 
 import bench
 
@@ -45,3 +46,13 @@ def test_cpu_time_is_read_for_the_whole_process() -> None:
     before = bench.cpu_seconds(os.getpid())
     sum(i * i for i in range(2_000_000))  # some CPU work in this process
     assert bench.cpu_seconds(os.getpid()) > before
+
+
+def test_pinning_gives_the_proxies_the_last_cpu_and_the_load_the_rest() -> None:
+    assert rps_ab.split_cpus({0, 1}) == ({1}, {0})
+    assert rps_ab.split_cpus({2, 5, 7}) == ({7}, {2, 5})
+    with pytest.raises(ValueError, match="two CPUs"):
+        rps_ab.split_cpus({3})
+    cmd = ["mitmdump", "-s", "x.py"]
+    assert rps_ab.pinned(cmd, None) == cmd
+    assert rps_ab.pinned(cmd, {1, 0}) == ["taskset", "-c", "0,1", *cmd]
