@@ -110,7 +110,8 @@ class Plan:
     conversations: int = 12
     turns: int = 20
     in_flight: int = 5
-    rps_windows: int = 12  # per proxy; each crossbar window beside a bare mitmdump window
+    rps_windows: int = 40  # per proxy; each crossbar window beside a bare mitmdump window (12 were too
+    # few here: one run's pair ratios spanned 0.60 to 1.55)
     rps_window_s: float = 1.0
     stall_rounds: int = 5  # per proxy, interleaved; each a quiet and a loaded neighbour stream
 
