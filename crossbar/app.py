@@ -1,9 +1,10 @@
 """The running router: config, host health, leases, slots, store and metrics.
 
 `Router` owns every piece of live state. Where a request goes is decided by the pure
-`crossbar.placement.place`; the router gathers its inputs (a fleet snapshot, the lease table's
-view), wakes sleeping hosts when placement asks and places again, takes the slot, and only then
-applies the lease change. The mitmproxy addons (`crossbar.addons`) call into it from their hooks.
+`crossbar.placement` (`stay` for a turn that stays on its lease host, read from that host alone;
+`place` for everything else); the router gathers their inputs (a fleet snapshot, the lease
+table's view), wakes sleeping hosts when placement asks and places again, takes the slot, and
+only then applies the lease change. The mitmproxy addons (`crossbar.addons`) call into it from their hooks.
 Nothing here blocks the event loop: the store is written by its own thread, the poller is an
 asyncio task.
 """
@@ -222,9 +223,9 @@ class Router:
 
     def snapshot(self, route: RouteConf, model: str, tokens: Callable[[str], int] | None = None,
                  conversation: Key | None = None, ahead: Mapping[str, int] | None = None) -> Snapshot:
-        """The fleet for this model, read lazily: a request that stays on its lease reads only
-        its own host. `tokens` gives the prompt estimate per host (else the request's own);
-        with `conversation`, each host's load as that conversation's turn sees it (lease yield);
+        """The fleet for this model, read lazily: only the hosts placement asks about are read.
+        `tokens` gives the prompt estimate per host (else the request's own); with
+        `conversation`, each host's load as that conversation's turn sees it (lease yield);
         `ahead`: per host where the turn already waits, the requests queued ahead of it."""
         fleet = self.fleet
 

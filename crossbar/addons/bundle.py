@@ -10,6 +10,9 @@ once when it is built.
 What mitmproxy promises for addons holds for the bundle: handlers run in order, an async handler is
 awaited before the next one starts, and an exception ends the event for the handlers after it
 (mitmproxy logs it), exactly as it did when the addons were registered one by one under a script.
+One difference remains, which crossbar's parts never meet: a plain function that returns an
+awaitable is awaited only in a hook that also has a coroutine handler (mitmproxy awaits it
+whenever the event itself is asynchronous).
 """
 
 from __future__ import annotations
