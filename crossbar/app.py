@@ -435,8 +435,10 @@ class Router:
         database round trip.) The local ticket is given back at once when none can be had
         (`QueueFull`, `ClientGone`)."""
         fw = self.fleetwide
-        parallel = self.fleet.configured_parallel(ex.host, key) if fw is not None else None
-        if fw is None or not parallel:
+        if fw is None:
+            return self._release
+        parallel = self.fleet.configured_parallel(ex.host, key)
+        if not parallel:
             return self._release
         wait = FLEET_SLOT_WAIT if ex.route.queue else 0.0
         try:  # its wait counts in `queued_ms` with the local one (see `take_slot`)

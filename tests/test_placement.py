@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from strategies_util import mostly
 
 from crossbar.choose import Candidate
 from crossbar.decisions import Decision, Reason, Rejection
@@ -218,11 +219,6 @@ def test_the_yield_reason_is_the_policys_word() -> None:
 
 
 # ------------------------------------------------------------------ the usual turn, decided alone
-
-def mostly(value: object, *others: object) -> st.SearchStrategy:
-    """`value` nine times in ten, else one of `others`: the usual case, with every exception."""
-    return st.sampled_from((value,) * 9 * len(others) + others)
-
 
 @st.composite
 def situations(draw: st.DrawFn) -> tuple[Ask, Snapshot, LeaseView, Home]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from strategies_util import mostly
 
 from crossbar.app import Router
 from crossbar.config import parse_config
@@ -53,11 +54,6 @@ async def occupy(r: Router, host: str, model: str, n: int) -> None:
     key = r.fleet.slot_key(host, model)
     for _ in range(n):
         await r.limiter.acquire(host, key, hold=False)
-
-
-def mostly(value: object, *others: object) -> st.SearchStrategy:
-    """`value` nine times in ten, else one of `others`: the usual case, with every exception."""
-    return st.sampled_from((value,) * 9 * len(others) + others)
 
 
 @st.composite
