@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import instructions
+import linecount_addon
+import lines
 import rps_ab
 
 import bench
@@ -56,3 +59,44 @@ def test_pinning_gives_the_proxies_the_last_cpu_and_the_load_the_rest() -> None:
     cmd = ["mitmdump", "-s", "x.py"]
     assert rps_ab.pinned(cmd, None) == cmd
     assert rps_ab.pinned(cmd, {1, 0}) == ["taskset", "-c", "0,1", *cmd]
+
+
+def test_line_counts_are_summed_per_request_by_module_and_function() -> None:
+    counts = {"calls": {"app.py:Router.lease": 200, "lease.py:view": 400},
+              "lines": {"app.py:Router.lease:10": 200, "app.py:Router.lease:11": 50,
+                        "lease.py:view:5": 400, "addons/route.py:Route.request:3": 200}}
+    got = lines.per_request(counts, 100)
+    assert (got.lines, got.calls) == (8.5, 6.0)
+    assert got.distinct == 3  # line 11 ran on half of the requests only
+    assert got.modules == {"app.py": 2.5, "lease.py": 4.0, "addons/route.py": 2.0}
+    assert got.functions == {"app.py:Router.lease": 2.5, "lease.py:view": 4.0,
+                             "addons/route.py:Route.request": 2.0}
+
+
+def test_the_counting_script_runs_first_and_counts_the_tree_it_is_given(tmp_path: Path) -> None:
+    cmd = lines.counted_cmd(tmp_path / "c.toml", tmp_path / "before")
+    scripts = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "-s"]
+    assert scripts == [str(lines.ADDON), str(tmp_path / "before" / "addons" / "crossbar.py")]
+    assert f"linecount_root={tmp_path / 'before' / 'crossbar'}" in cmd
+
+
+def test_the_counting_script_counts_only_code_under_its_root(tmp_path: Path) -> None:
+    package = tmp_path / "crossbar"
+    package.mkdir()
+    (package / "counted_mod.py").write_text("def work(n):\n    total = 0\n    for i in range(n):\n"
+                                            "        total += i\n    return total\n")
+    sys.path.insert(0, str(package))
+    try:
+        import counted_mod
+    finally:
+        sys.path.remove(str(package))
+    counter = linecount_addon.LineCount(str(package))
+    counter.start()
+    try:
+        counted_mod.work(3)
+        textwrap.dedent("  x")  # Python code outside the root: not counted
+    finally:
+        counts = counter.stop()
+    assert counts["calls"] == {"counted_mod.py:work": 1}
+    assert counts["lines"] == {"counted_mod.py:work:2": 1, "counted_mod.py:work:3": 4,
+                               "counted_mod.py:work:4": 3, "counted_mod.py:work:5": 1}
