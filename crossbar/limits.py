@@ -105,6 +105,9 @@ def _head_end(buf: bytes | bytearray, start: int = 0, stop: int | None = None) -
     -1. The bare-LF forms are only looked for before the first CRLF one: a body's bytes after the
     head are never scanned."""
     crlf = buf.find(b"\r\n\r\n", start, stop)
+    # the usual head: no bare-LF blank line ends it earlier (the CRLF one holds a "\n\r\n" of its own)
+    if crlf >= 0 and buf.find(b"\n\n", start, crlf) < 0 and buf.find(b"\n\r\n", start, crlf + 3) < 0:
+        return crlf + 4
     before = stop if crlf < 0 else crlf + 4
     ends = [i + n for i, n in ((crlf, 4), (buf.find(b"\n\n", start, before), 2),
                                (buf.find(b"\n\r\n", start, before), 3)) if i >= 0]
@@ -120,16 +123,12 @@ _FRAMING_FIELD = re.compile(rb"\n[ \t\r\x0b\x0c]*(content-length|transfer-encodi
 def body_framing(head: bytes) -> tuple[str, int]:
     """(LENGTH, n), (CHUNKED, 0), (HEAD, 0) for no body, or (PASS, 0) for framing mitmproxy will
     refuse itself (conflicting or malformed lengths)."""
-    length: bytes | None = None
-    encoding: bytes | None = None
-    for field_ in _FRAMING_FIELD.finditer(head):
-        name, value = field_.group(1), field_.group(2).strip()
-        if name.lower() == b"transfer-encoding":
-            encoding = value.lower()
-        elif length is not None and length != value:
+    length, encoding = _plain_length(head), None
+    if length is None:
+        fields = _framing_fields(head)
+        if fields is None:
             return PASS, 0
-        else:
-            length = value
+        length, encoding = fields
     if encoding is not None:
         return (CHUNKED, 0) if encoding.endswith(b"chunked") else (PASS, 0)
     if length is None:
@@ -137,6 +136,36 @@ def body_framing(head: bytes) -> tuple[str, int]:
     if not length.isdigit():
         return PASS, 0
     return (LENGTH, int(length)) if int(length) else (HEAD, 0)
+
+
+def _plain_length(head: bytes) -> bytes | None:
+    """The value of the usual head's one Content-Length field, written plainly at a line's start
+    and named nowhere else, with no Transfer-Encoding named anywhere; None: `_framing_fields`
+    decides."""
+    lower = head.lower()
+    if b"transfer-encoding" in lower or lower.count(b"content-length") != 1:
+        return None
+    at = lower.find(b"\ncontent-length:")
+    if at < 0:
+        return None
+    line_end = lower.find(b"\n", at + 16)
+    return head[at + 16:line_end if line_end >= 0 else len(head)].strip()
+
+
+def _framing_fields(head: bytes) -> tuple[bytes | None, bytes | None] | None:
+    """(Content-Length value, Transfer-Encoding value) of every framing field the head has, or
+    None for Content-Length fields that disagree."""
+    length: bytes | None = None
+    encoding: bytes | None = None
+    for field_ in _FRAMING_FIELD.finditer(head):
+        name, value = field_.group(1), field_.group(2).strip()
+        if name.lower() == b"transfer-encoding":
+            encoding = value.lower()
+        elif length is not None and length != value:
+            return None
+        else:
+            length = value
+    return length, encoding
 
 
 class ChunkCounter:
@@ -223,6 +252,8 @@ class RequestFramer:
         if self.state == PASS or (self.state == LENGTH and len(data) < self._remaining):
             self._remaining -= len(data) if self.state == LENGTH else 0
             return data, None  # the common case, a body passing through: no copy
+        if self.state == HEAD and not self.head and self._one_whole_request(data):
+            return data, None
         view = memoryview(data)
         out: list[bytes | memoryview] = []  # joined once: each piece of `data` is copied only there
         pos = 0
@@ -256,6 +287,24 @@ class RequestFramer:
         if sum(map(len, out)) == len(data) and all(isinstance(piece, memoryview) for piece in out):
             return data, None  # every byte passed on as it came: no copy
         return b"".join(out), None
+
+    def _one_whole_request(self, data: bytes) -> bool:
+        """The usual read: exactly one request, its head within the limits and its body (none, or
+        a `Content-Length` one within `max_body`) complete. Counted as `feed` would count it; any
+        other read (False) goes through `feed`'s general path."""
+        if data[:1] in (b"\r", b"\n"):
+            return False
+        end = _head_end(data, 0, self.max_head + 4)
+        head = data[:end]
+        if end < 0 or end > self.max_head or has_folded_line(head):
+            return False
+        kind, length = body_framing(head)
+        if not ((kind == HEAD and end == len(data)) or (kind == LENGTH and end + length == len(data)
+                                                          and length <= self.max_body)):
+            return False
+        self.heads += 1
+        self.whole += 1
+        return True
 
     def _feed_head(self, data: bytes, pos: int, out: list[bytes | memoryview]) -> tuple[int, Refusal | None]:
         """Take a head from data[pos:] (after what is held of it): where the rest of `data` starts,

@@ -477,6 +477,70 @@ def test_head_end(data: bytes, end: int) -> None:
     assert _head_end(bytearray(b"zz" + data), 2) == (end + 2 if end >= 0 else -1)
 
 
+def head_end_plainly(buf: bytes) -> int:
+    """`_head_end` written plainly: past the first blank line that starts earliest, of any form."""
+    for i in range(len(buf)):
+        for blank in (b"\r\n\r\n", b"\n\n", b"\n\r\n"):
+            if buf.startswith(blank, i):
+                return i + len(blank)
+    return -1
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from([b"\r", b"\n", b"\r\n", b"a", b": ", b"\r\n\r\n"]), max_size=12)
+       .map(b"".join), st.integers(0, 3))
+def test_head_end_finds_the_blank_line_a_plain_scan_finds(buf: bytes, start: int) -> None:
+    assert _head_end(buf) == head_end_plainly(buf)
+    padded = b"zzz"[:start] + buf
+    assert _head_end(padded, start) == (-1 if head_end_plainly(buf) < 0 else head_end_plainly(buf) + start)
+
+
+def head_plainly(data: bytes) -> int:
+    """The head's length, as far as a plain scan sees one (else all of `data`)."""
+    end = head_end_plainly(data)
+    return end if end >= 0 else len(data)
+
+
+class GeneralFramer(RequestFramer):
+    """The framer without its one-whole-request shortcut: what the shortcut must agree with."""
+
+    def _one_whole_request(self, data: bytes) -> bool:
+        return False
+
+
+_REQUEST_LINES = st.sampled_from([b"POST /v1/chat/completions HTTP/1.1", b"GET / HTTP/1.1", b"", b"\r\n"])
+_HEAD_FIELDS = st.sampled_from([b"Host: x", b"Content-Type: application/json", b" folded: y",
+                                b"Transfer-Encoding: chunked", b"X-Content-Length: 3", b"content-length: 3"])
+
+
+@st.composite
+def one_read(draw: st.DrawFn) -> bytes:
+    """What one read may bring: a request (or part of one, or more than one), mostly the usual."""
+    eol = draw(st.sampled_from([b"\r\n", b"\r\n", b"\n"]))
+    body = draw(st.binary(max_size=30) | st.sampled_from([b"", b"x" * 12]))
+    length = draw(st.sampled_from([len(body), len(body), len(body) + 1, max(0, len(body) - 1), 0, 200]))
+    framing = b"Content-Length: %d" % length
+    fields = draw(st.lists(_HEAD_FIELDS, max_size=3)) + draw(st.sampled_from([[framing], [], [framing] * 2]))
+    head = draw(_REQUEST_LINES) + b"".join(eol + field for field in fields) + eol + eol
+    data = head + body + draw(st.sampled_from([b"", b"", b"GET / HTTP/1.1\r\n\r\n", b"\r\n"]))
+    return data[:draw(st.integers(1, len(data)))] if draw(st.booleans()) else data
+
+
+@settings(max_examples=3000, deadline=None)
+@given(one_read(), st.integers(-6, 6) | st.just(1024), st.sampled_from([10, 100]), st.binary(max_size=40))
+def test_the_one_whole_request_shortcut_frames_as_the_general_path_does(
+        data: bytes, head_room: int, max_body: int, more: bytes) -> None:
+    max_head = max(1, head_plainly(data) + head_room)  # the limit mostly near the head's own length
+    fast, general = RequestFramer(max_head, max_body), GeneralFramer(max_head, max_body)
+    for piece in (data, more):  # and what the next read brings is framed alike too
+        got, want = fast.feed(piece), general.feed(piece)
+        assert (bytes(got[0]), got[1]) == (bytes(want[0]), want[1])
+        assert (fast.state, fast.heads, fast.whole, fast.head_started, fast._remaining) == \
+            (general.state, general.heads, general.whole, general.head_started, general._remaining)
+        if got[1] is not None:
+            return
+
+
 @settings(max_examples=200, deadline=None)
 @given(heads=st.lists(st.sampled_from([b"\r\n", b"\n"]), min_size=1, max_size=4),
        bodies=st.lists(st.binary(max_size=40), min_size=4, max_size=4),
