@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, quote
 
 from crossbar import jsonread
 from crossbar.config import RouteConf
-from crossbar.errors import bad_request, not_found, too_large
+from crossbar.errors import CrossbarError, bad_request, not_found, too_large
 from crossbar.guard import DEFAULT_BYTES_PER_TOKEN
 from crossbar.jsonread import UNREAD
 
@@ -148,7 +148,7 @@ def match_route(name: str, routes: Mapping[str, RouteConf]) -> RouteConf | None:
     Specificity is the template's literal length (name minus `*`); ties go to config order.
     A template match is returned as a copy named `name`. Invalid names never match.
     """
-    if not valid_route_name(name):
+    if ROUTE_NAME.fullmatch(name) is None:  # `valid_route_name`, without a call on every request
         return None
     exact = routes.get(name)
     if exact is not None:
@@ -164,16 +164,8 @@ def match_route(name: str, routes: Mapping[str, RouteConf]) -> RouteConf | None:
     return dataclasses.replace(best, name=name) if best is not None else None
 
 
-def _route_or_404(name: str, routes: Mapping[str, RouteConf]) -> RouteConf:
-    route = match_route(name, routes)
-    if route is None:
-        raise not_found(f"unknown route {_show(name)}")
-    return route
-
-
-def _check_allowed(method: str, path: str) -> None:
-    if (method, path) not in ALLOWED:
-        raise not_found(f"path not allowed: {_show_path(method)} {_show_path(path)}")
+def _not_allowed(method: str, path: str) -> CrossbarError:
+    return not_found(f"path not allowed: {_show_path(method)} {_show_path(path)}")
 
 
 def resolve(
@@ -190,20 +182,24 @@ def resolve(
     - Only the (method, path) pairs in `ALLOWED` pass; anything else is 404 (never 405).
     """
     path, _, query = raw_path.partition("?")
-    if not path.startswith("/"):
-        raise not_found(f"path not allowed: {_show_path(method)} {_show_path(path)}")
     if path in BARE_PATHS:
         if not header_route:
             raise not_found(NO_ROUTE)
-        route = _route_or_404(header_route, routes)
-        upstream = path
+        name, upstream = header_route, path
+    elif not path.startswith("/"):
+        raise _not_allowed(method, path)
+    elif path.startswith("//"):  # e.g. curl ".../$ROUTE/v1/..." with the variable unset
+        raise not_found(EMPTY_ROUTE)
     else:
-        if path.startswith("//"):  # e.g. curl ".../$ROUTE/v1/..." with the variable unset
-            raise not_found(EMPTY_ROUTE)
         name, _, rest = path[1:].partition("/")
-        route = _route_or_404(name, routes)
         upstream = "/" + rest
-    _check_allowed(method, upstream)
+    route = match_route(name, routes)
+    if route is None:
+        raise not_found(f"unknown route {_show(name)}")
+    if (method, upstream) not in ALLOWED:
+        raise _not_allowed(method, upstream)
+    if not query:  # the usual request: no query, so nothing of it goes upstream
+        return Resolved(route, upstream, "")
     return _resolved(route, upstream, query)
 
 
@@ -212,7 +208,7 @@ def resolve_listener(method: str, raw_path: str, route: RouteConf) -> Resolved:
     unchanged. Bare `/slots` is allowed, `/slots/<id>` actions are not."""
     path, _, query = raw_path.partition("?")
     if (method, path) not in LISTENER_ALLOWED:
-        raise not_found(f"path not allowed: {_show_path(method)} {_show_path(path)}")
+        raise _not_allowed(method, path)
     return _resolved(route, path, query)
 
 
