@@ -22,6 +22,7 @@ from crossbar.request import (
     OFF_LOOP_BYTES,
     BodyPeek,
     _content_text_bytes,
+    _digest,
     _loads_piecewise,
     _tool_call_bytes,
     _utf8_len,
@@ -846,6 +847,18 @@ def test_numbers_orjson_writes_otherwise_change_only_the_byte_count() -> None:
     assert isinstance(fast, BodyPeek) and isinstance(standard, BodyPeek)
     assert fast._replace(prompt_bytes=0) == standard._replace(prompt_bytes=0)
     assert abs(fast.prompt_bytes - standard.prompt_bytes) <= 6
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.binary(max_size=20) | st.binary(min_size=60, max_size=200),
+       system=st.none() | st.binary(max_size=100), user=st.binary(max_size=100))
+def test_a_digest_is_the_hmac_of_the_standard_library(key: bytes, system: bytes | None, user: bytes) -> None:
+    """Keys shorter and longer than SHA-256's 64-byte block, each from its kept keyed states."""
+    expected = hmac.new(key, b"crossbar-fp-2\0", hashlib.sha256)
+    expected.update(b"system:%d:" % len(system or b"") + (system or b""))
+    expected.update(b"user:%d:" % len(user) + user)
+    assert _digest(system, user, key) == _digest(system, user, key) == expected.hexdigest()
+    assert _digest(system, None, key) == ""
 
 
 @pytest.mark.parametrize("key", [KEY, b"another install's secret", b""])
