@@ -76,8 +76,7 @@ class Route:
                             completion=False)
         peek = await req.peek_body_off_loop(r.raw_content, resolved.path, route.default_model, cfg.max_body,
                                             self.rt.fp_key)
-        fp = session.conversation_fp(route, lambda name: headers.values(r.headers, name.lower().encode()),
-                                     peek.fingerprint)
+        fp = session.conversation_fp(route, r.headers, peek.fingerprint)
         return Exchange(
             route=route, key=Key(route.name, fp, peek.model), path=resolved.upstream_path,
             completion=True, stream=peek.stream, prompt_bytes=peek.prompt_bytes,
