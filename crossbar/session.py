@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Sequence
 from enum import StrEnum
+from functools import lru_cache
 
+from mitmproxy import http
+
+from crossbar import headers
 from crossbar.config import RouteConf
 from crossbar.decisions import Rejection
 from crossbar.errors import CrossbarError, bad_request
@@ -34,9 +37,6 @@ MAX_SESSION_ID = 128
 ID_CHARS = "letters, digits and . _ : @ + = / ~ -"
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@+=/~-]+")
 _HASH_DOMAIN = b"crossbar-session-1:"
-
-# header name -> every value the request carries for it (mitmproxy's `Headers.get_all`)
-HeaderValues = Callable[[str], Sequence[str]]
 
 
 class KeyKind(StrEnum):
@@ -65,13 +65,22 @@ def _invalid(header: str, problem: str) -> CrossbarError:
     )
 
 
-def session_id(values: HeaderValues, names: Sequence[str]) -> str | None:
-    """The id in the first of `names` the request carries with a non-empty value, or None.
+@lru_cache(maxsize=64)
+def _field_names(names: tuple[str, ...]) -> frozenset[bytes]:
+    """Header names as they are matched against a request's raw fields: lower-case bytes."""
+    return frozenset(name.lower().encode() for name in names)
+
+
+def session_id(request_headers: http.Headers, names: tuple[str, ...]) -> str | None:
+    """The id in the first of `names` (matched case-insensitively) the request carries with a
+    non-empty value, or None.
 
     Raises a 400 `CrossbarError` when that value is not a valid id. Its text is never echoed.
     """
+    if not headers.has_any(request_headers, _field_names(names)):  # the usual request names none
+        return None
     for name in names:
-        sent = [v.strip() for v in values(name)]
+        sent = [v.strip() for v in headers.values(request_headers, name.lower().encode())]
         sent = [v for v in sent if v]
         if not sent:
             continue
@@ -86,10 +95,10 @@ def session_id(values: HeaderValues, names: Sequence[str]) -> str | None:
     return None
 
 
-def conversation_fp(route: RouteConf, values: HeaderValues, body_fp: str) -> str:
+def conversation_fp(route: RouteConf, request_headers: http.Headers, body_fp: str) -> str:
     """The lease key `fp` of a completion: "" on a route-affinity route, else the named session,
     else the body fingerprint."""
     if route.affinity != "conversation":
         return ""
-    sid = session_id(values, route.session_headers)
+    sid = session_id(request_headers, route.session_headers)
     return body_fp if sid is None else session_fp(sid)

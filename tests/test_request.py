@@ -21,7 +21,12 @@ from crossbar.request import (
     MODEL_MAX,
     OFF_LOOP_BYTES,
     BodyPeek,
+    _content_text_bytes,
+    _digest,
     _loads_piecewise,
+    _tool_call_bytes,
+    _utf8_len,
+    check_model,
     fingerprint,
     match_route,
     peek_body,
@@ -649,6 +654,31 @@ def test_longest_model_name_passes() -> None:
     assert peek_body(json.dumps({"model": name, "messages": []}).encode(), CHAT, "", MIB, KEY).model == name
 
 
+def _model_outcome(model: Any) -> str:
+    """A body's `model` as the general checks judge it: the name, or the 400's message."""
+    if not isinstance(model, str) or not model:
+        return "'model' must be a non-empty string"
+    try:
+        check_model(model)
+    except CrossbarError as e:
+        return e.message
+    return model
+
+
+@settings(max_examples=300, deadline=None)
+@given(model=st.text(max_size=12) | _json_values
+       | st.sampled_from([c * n for c in ("m", "\x00") for n in (MODEL_MAX, MODEL_MAX + 1)]))
+def test_a_body_model_is_judged_as_by_the_general_checks(model: Any) -> None:
+    """The usual name passes one combined test; any other gets the message the general checks give."""
+    assume("NaN" not in json.dumps(model) and "Infinity" not in json.dumps(model))
+    try:
+        got = peek_body(json.dumps({"model": model, "messages": []}).encode(), CHAT, "", MIB, KEY).model
+    except CrossbarError as e:
+        assert e.status == 400
+        got = e.message
+    assert got == _model_outcome(model)
+
+
 # ---------------------------------------------------------------- prompt size: what becomes tokens
 
 
@@ -663,6 +693,35 @@ def test_tools_and_tool_calls_count_toward_the_prompt() -> None:
                            KEY).prompt_bytes
     assert with_call == plain + len("assistant") + len("read") + len('{"p":"a"}')
     assert with_tools == with_call + len(json.dumps(tools, separators=(",", ":")))
+
+
+_texts = st.text(max_size=20) | st.sampled_from(["", "é", "日本語", "\ud800", "\U0001f600", "x" * 5000])
+# no integers beyond 64 bits: orjson reads them as floats, which count otherwise (see jsonread)
+_tool_arguments = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.dictionaries(
+    st.text(max_size=5), _texts, max_size=3)
+_tallied_messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | _texts,
+     "content": _texts | st.none() | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _texts})
+                                              | st.fixed_dictionaries({"type": st.just("image_url")}))},
+    optional={"tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
+        {}, optional={"name": _texts, "arguments": _texts | _tool_arguments})})) | _json_values}),
+    max_size=6)
+
+
+@settings(max_examples=400, deadline=None)
+@given(messages=_tallied_messages)
+def test_a_chat_tallies_as_its_messages_one_at_a_time(messages: list[dict[str, Any]]) -> None:
+    """The message loop (with its shortcut for ASCII text) sums what the per-part counts give, and
+    keeps the openings `fingerprint` finds; a large body's messages, fed one at a time as it is
+    parsed, tally the same."""
+    assume("NaN" not in json.dumps(messages) and "Infinity" not in json.dumps(messages))
+    expected = BodyPeek("", False, False, fingerprint(messages, KEY), sum(
+        _utf8_len(m["role"]) + _content_text_bytes(m["content"], "") + _tool_call_bytes(m.get("tool_calls"))
+        for m in messages), len(messages))
+    raw = json.dumps({"messages": messages}).encode()  # a lone surrogate is escaped: valid UTF-8
+    assert peek_body(raw, CHAT, "", MIB, KEY) == expected
+    with mock.patch("crossbar.request.OFF_LOOP_BYTES", 0):  # parsed a piece at a time
+        assert peek_body(raw, CHAT, "", MIB, KEY) == expected
 
 
 def test_token_arrays_count_toward_the_prompt() -> None:
@@ -788,6 +847,18 @@ def test_numbers_orjson_writes_otherwise_change_only_the_byte_count() -> None:
     assert isinstance(fast, BodyPeek) and isinstance(standard, BodyPeek)
     assert fast._replace(prompt_bytes=0) == standard._replace(prompt_bytes=0)
     assert abs(fast.prompt_bytes - standard.prompt_bytes) <= 6
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.binary(max_size=20) | st.binary(min_size=60, max_size=200),
+       system=st.none() | st.binary(max_size=100), user=st.binary(max_size=100))
+def test_a_digest_is_the_hmac_of_the_standard_library(key: bytes, system: bytes | None, user: bytes) -> None:
+    """Keys shorter and longer than SHA-256's 64-byte block, each from its kept keyed states."""
+    expected = hmac.new(key, b"crossbar-fp-2\0", hashlib.sha256)
+    expected.update(b"system:%d:" % len(system or b"") + (system or b""))
+    expected.update(b"user:%d:" % len(user) + user)
+    assert _digest(system, user, key) == _digest(system, user, key) == expected.hexdigest()
+    assert _digest(system, None, key) == ""
 
 
 @pytest.mark.parametrize("key", [KEY, b"another install's secret", b""])

@@ -6,12 +6,15 @@ import hashlib
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mitmproxy import http
 
 from crossbar.config import DEFAULT_SESSION_HEADERS, ConfigError, RouteConf, parse_config
 from crossbar.errors import CrossbarError
 from crossbar.session import (
     MAX_SESSION_ID,
+    SESSION_ID,
     KeyKind,
     conversation_fp,
     key_kind,
@@ -48,8 +51,8 @@ def headers(*pairs: tuple[str, str]) -> http.Headers:
          "3f2c-uuid:user@host/a+b=~._"),
     ],
 )
-def test_session_id(pairs: Sequence[tuple[str, str]], names: Sequence[str], expected: str | None) -> None:
-    assert session_id(headers(*pairs).get_all, names) == expected
+def test_session_id(pairs: Sequence[tuple[str, str]], names: tuple[str, ...], expected: str | None) -> None:
+    assert session_id(headers(*pairs), names) == expected
 
 
 @pytest.mark.parametrize(
@@ -68,7 +71,7 @@ def test_session_id(pairs: Sequence[tuple[str, str]], names: Sequence[str], expe
 def test_an_invalid_session_id_is_a_400_that_never_echoes_it(value: str, problem: str) -> None:
     h = http.Headers([(b"x-session-id", value.encode("latin-1"))])
     with pytest.raises(CrossbarError) as info:
-        session_id(h.get_all, DEFAULT_SESSION_HEADERS)
+        session_id(h, DEFAULT_SESSION_HEADERS)
     err = info.value
     assert err.status == 400 and err.type == "invalid_request_error"
     assert err.message.startswith("session header x-session-id: ") and problem in err.message
@@ -79,12 +82,52 @@ def test_an_invalid_session_id_is_a_400_that_never_echoes_it(value: str, problem
 def test_the_same_header_twice_with_different_values_is_a_400() -> None:
     h = headers(("x-session-id", "one"), ("x-session-id", "two"))
     with pytest.raises(CrossbarError, match="sent 2 times with different values"):
-        session_id(h.get_all, DEFAULT_SESSION_HEADERS)
+        session_id(h, DEFAULT_SESSION_HEADERS)
 
 
 def test_a_later_header_is_not_validated_once_an_earlier_one_names_the_session() -> None:
     h = headers(("x-session-affinity", "good"), ("x-session-id", "bad value"))
-    assert session_id(h.get_all, DEFAULT_SESSION_HEADERS) == "good"
+    assert session_id(h, DEFAULT_SESSION_HEADERS) == "good"
+
+
+def _session_outcome_by_get_all(h: http.Headers, names: Sequence[str]) -> str | None:
+    """The documented rule, read name by name through mitmproxy's own `Headers.get_all`: the
+    first name with a non-blank value; its id, or how the 400's message for it starts."""
+    for name in names:
+        sent = [v.strip() for v in h.get_all(name) if v.strip()]
+        if not sent:
+            continue
+        if len(set(sent)) > 1:
+            return f"session header {name}: sent {len(sent)} times with different values"
+        if len(sent[0]) > MAX_SESSION_ID or not SESSION_ID.fullmatch(sent[0]):
+            return f"session header {name}: "
+        return sent[0]
+    return None
+
+
+_header_names = st.sampled_from(["x-session-id", "X-Session-Id", "x-session-affinity", "X-SESSION-AFFINITY",
+                                 "x-other", "host", "content-type"])
+_header_values = st.sampled_from(["", "  ", "abc", " abc ", "def", "bad id", "é", "x" * (MAX_SESSION_ID + 1)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(fields=st.lists(st.tuples(_header_names, _header_values), max_size=6),
+       names=st.lists(st.sampled_from(["x-session-affinity", "x-session-id", "x-other", "X-Session-Id"]),
+                      max_size=3, unique=True).map(tuple))
+def test_session_id_answers_as_a_lookup_name_by_name(fields: list[tuple[str, str]], names: tuple[str, ...],
+                                                     ) -> None:
+    """A request that carries none of the names is told in one pass; any other is read name by name."""
+    h = headers(*fields)
+    try:
+        got = session_id(h, names)
+    except CrossbarError as e:
+        assert e.status == 400
+        got = e.message
+    expected = _session_outcome_by_get_all(h, names)
+    if expected is not None and expected.startswith("session header "):  # an id never holds a space
+        assert got is not None and got.startswith(expected)
+    else:
+        assert got == expected
 
 
 def test_session_fp_is_a_prefixed_hash_that_never_holds_the_id() -> None:
@@ -121,7 +164,7 @@ def test_no_body_fingerprint_is_ever_a_session_key() -> None:
 )
 def test_conversation_fp(route: RouteConf, pairs: Sequence[tuple[str, str]], body_fp: str, expected: str,
                          ) -> None:
-    assert conversation_fp(route, headers(*pairs).get_all, body_fp) == expected
+    assert conversation_fp(route, headers(*pairs), body_fp) == expected
 
 
 # ---------------------------------------------------------------- the route setting

@@ -69,15 +69,19 @@ class Route:
             resolved = req.resolve(r.method, r.path, named, cfg.routes)
             control = resolved.path not in req.COMPLETION_PATHS
         route = resolved.route
-        await self._admit(flow, route)
+        if route.peers:  # else `_admit` lets every caller in: no coroutine for it
+            await self._admit(flow, route)
         if control:
             model = resolved.model or route.default_model
             return Exchange(route=route, key=Key(route.name, "", model), path=resolved.upstream_path,
                             completion=False)
-        peek = await req.peek_body_off_loop(r.raw_content, resolved.path, route.default_model, cfg.max_body,
-                                            self.rt.fp_key)
-        fp = session.conversation_fp(route, lambda name: headers.values(r.headers, name.lower().encode()),
-                                     peek.fingerprint)
+        raw = r.raw_content
+        if raw is not None and len(raw) >= req.OFF_LOOP_BYTES:  # perhaps peeked in a worker thread
+            peek = await req.peek_body_off_loop(raw, resolved.path, route.default_model, cfg.max_body,
+                                                self.rt.fp_key)
+        else:  # peeked here, without a coroutine of its own
+            peek = req.peek_body(raw, resolved.path, route.default_model, cfg.max_body, self.rt.fp_key)
+        fp = session.conversation_fp(route, r.headers, peek.fingerprint)
         return Exchange(
             route=route, key=Key(route.name, fp, peek.model), path=resolved.upstream_path,
             completion=True, stream=peek.stream, prompt_bytes=peek.prompt_bytes,
