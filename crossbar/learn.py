@@ -129,8 +129,9 @@ class RateLearner:
                       conversation: Hashable | None = None) -> None:
         """`observe` of the timings object {prompt_n, prompt_ms, cache_n: cached_tokens,
         predicted_n: completion_tokens, predicted_ms} made of a reply's known figures, without
-        making it. `crossbar.tap` has range-checked them already (whole counts, finite
-        milliseconds within both modules' bounds); only this module's lower count bound is left."""
+        making it. `crossbar.tap` has checked them already: whole counts, and finite non-negative
+        milliseconds within this module's bound too; only the count bound here, tighter than
+        tap's, is left to apply."""
         evaluated, generated, cached = usage.prompt_n, usage.completion_tokens, usage.cached_tokens
         prompt_n = None if evaluated is None or evaluated > MAX_TOKENS else float(evaluated)
         predicted_n = None if generated is None or generated > MAX_TOKENS else float(generated)
