@@ -618,27 +618,24 @@ class Router:
         m.requests.inc((route, host, str(ex.status or 0)))
         if ex.ttfb_ms is not None:
             m.ttfb.observe((host,), ex.ttfb_ms / 1000)
-        u = ex.usage
+        u: Usage | None = ex.usage
         if u is None:
             return
-        self.estimator.learn(host, ex.model, ex.path, ex.prompt_bytes, u.prompt_tokens)
-        self._learn_rates(ex, host, u)
+        model = ex.key.model
+        self.estimator.learn(host, model, ex.path, ex.prompt_bytes, u.prompt_tokens)
+        self.learner.observe_usage(host, model, u, conversation=ex.key)
         if u.dropped:
             log.warning("%s reported %d usage figure(s) out of range; stored as unknown", host, u.dropped)
             m.usage_dropped.inc((host,), u.dropped)
-        for kind, value in (("prompt", u.prompt_tokens), ("cached", u.cached_tokens),
-                            ("completion", u.completion_tokens)):
-            if value:
-                m.tokens.inc((route, host, kind), value)
-        if u.tokens_per_second:
-            m.generation_tps.observe((host, self.model_label(ex.model)), u.tokens_per_second)
-
-    def _learn_rates(self, ex: Exchange, host: str, u: Usage) -> None:
-        """Teach the rate learner what the reply's timings say (figures already range-checked)."""
-        figures = {"prompt_n": u.prompt_n, "prompt_ms": u.prompt_ms, "cache_n": u.cached_tokens,
-                   "predicted_n": u.completion_tokens, "predicted_ms": u.predicted_ms}
-        self.learner.observe(host, ex.model, {k: v for k, v in figures.items() if v is not None},
-                             conversation=ex.key)
+        if u.prompt_tokens:
+            m.tokens.inc((route, host, "prompt"), u.prompt_tokens)
+        if u.cached_tokens:
+            m.tokens.inc((route, host, "cached"), u.cached_tokens)
+        if u.completion_tokens:
+            m.tokens.inc((route, host, "completion"), u.completion_tokens)
+        tokens_per_second = u.tokens_per_second
+        if tokens_per_second:
+            m.generation_tps.observe((host, self.model_label(model)), tokens_per_second)
 
     def route_label(self, route: RouteConf) -> str:
         """A route made from a template is labelled by its template: labels come from the

@@ -92,7 +92,8 @@ class Exchange:
         if self.finished:
             return False
         self.finished = True
-        self.cancel_deadline()
+        if self.deadline is not None:  # usually cancelled already, by the first byte
+            self.cancel_deadline()
         steps = [self.drop_slot, *reversed(self._cleanups)]
         self._cleanups.clear()
         for step in steps:

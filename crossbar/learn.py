@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from crossbar.tap import Usage
 from crossbar.yieldpolicy import HostLoad, Rates, Running
 
 MAX_TOKENS = 10_000_000  # no single reply or prompt is larger; beyond it a figure is nonsense
@@ -118,12 +119,33 @@ class RateLearner:
         """Learn from one finished reply's `timings` object; `conversation` is its lease key.
         Without `prompt_per_second` / `predicted_per_second` the rates are the token counts over
         `prompt_ms` / `predicted_ms`, so a caller may pass just those figures."""
-        stats = self._pair(host, model)
         prompt_n = _figure(timings, "prompt_n", MAX_TOKENS)
         predicted_n = _figure(timings, "predicted_n", MAX_TOKENS)
-        cache_n = _figure(timings, "cache_n", MAX_TOKENS)
-        prompt_tps = _rate(timings, "prompt_per_second", prompt_n, "prompt_ms")
-        gen_tps = _rate(timings, "predicted_per_second", predicted_n, "predicted_ms")
+        self._learn(host, model, prompt_n, predicted_n, _figure(timings, "cache_n", MAX_TOKENS),
+                    _rate(timings, "prompt_per_second", prompt_n, "prompt_ms"),
+                    _rate(timings, "predicted_per_second", predicted_n, "predicted_ms"), conversation)
+
+    def observe_usage(self, host: str, model: str, usage: Usage,
+                      conversation: Hashable | None = None) -> None:
+        """`observe` of the timings object {prompt_n, prompt_ms, cache_n: cached_tokens,
+        predicted_n: completion_tokens, predicted_ms} made of a reply's known figures, without
+        making it. `crossbar.tap` has checked them already: whole counts, and finite non-negative
+        milliseconds within this module's bound too; only the count bound here, tighter than
+        tap's, is left to apply."""
+        evaluated, generated, cached = usage.prompt_n, usage.completion_tokens, usage.cached_tokens
+        prompt_n = None if evaluated is None or evaluated > MAX_TOKENS else float(evaluated)
+        predicted_n = None if generated is None or generated > MAX_TOKENS else float(generated)
+        cache_n = None if cached is None or cached > MAX_TOKENS else float(cached)
+        prompt_ms, gen_ms = usage.prompt_ms, usage.predicted_ms
+        prompt_tps = min(prompt_n / prompt_ms * 1e3, MAX_TPS) if prompt_n is not None and prompt_ms else None
+        gen_tps = min(predicted_n / gen_ms * 1e3, MAX_TPS) if predicted_n is not None and gen_ms else None
+        self._learn(host, model, prompt_n, predicted_n, cache_n, prompt_tps, gen_tps, conversation)
+
+    def _learn(self, host: str, model: str, prompt_n: float | None, predicted_n: float | None,
+               cache_n: float | None, prompt_tps: float | None, gen_tps: float | None,
+               conversation: Hashable | None) -> None:
+        """What both ways of observing a reply learn from its checked figures."""
+        stats = self._pair(host, model)
         if prompt_n is not None:
             stats.prefill_tokens.add(prompt_n, self._alpha)
             if prompt_n >= MIN_PREFILL_SAMPLE and prompt_tps:
@@ -189,14 +211,18 @@ class RateLearner:
 
     def _remember(self, conversation: Hashable, host: str, reply_tokens: float,
                   held_tokens: float | None) -> None:
-        remembered = self._recent(conversation) or _Conversation(0.0, 0.0)
-        remembered.reply_tokens, remembered.when = reply_tokens, self._clock()
+        now = self._clock()
+        remembered = self._conversations.get(conversation)
+        if remembered is None or now - remembered.when > self._ttl:  # unknown, or forgotten by now
+            remembered = self._conversations[conversation] = _Conversation(reply_tokens, now)
+            self._conversations.move_to_end(conversation)
+            while len(self._conversations) > self._max_conversations:
+                self._conversations.popitem(last=False)
+        else:
+            remembered.reply_tokens, remembered.when = reply_tokens, now
+            self._conversations.move_to_end(conversation)
         if held_tokens is not None:  # one entry per host that served it: config-bounded
             remembered.held[host] = int(held_tokens)
-        self._conversations[conversation] = remembered
-        self._conversations.move_to_end(conversation)
-        while len(self._conversations) > self._max_conversations:
-            self._conversations.popitem(last=False)
 
 
 @dataclass(slots=True)
@@ -243,7 +269,6 @@ class BusyMeter:
             state = self._hosts[host] = _Busy(since=now)
             while len(self._hosts) > self._max_hosts:
                 self._hosts.popitem(last=False)
-        state.level = self._decayed(state, now)
-        state.since = now
+        state.level, state.since = self._decayed(state, now), now
         self._hosts.move_to_end(host)
         return state

@@ -99,12 +99,42 @@ def usage_from_object(obj: Mapping[str, Any]) -> Usage | None:
     """
     usage = obj.get("usage")
     timings = obj.get("timings")
-    usage = usage if isinstance(usage, dict) else None  # parsed JSON: objects are dicts
-    timings = timings if isinstance(timings, dict) else None
-    if usage is None and timings is None:
+    if not isinstance(timings, dict):  # parsed JSON: objects are dicts
+        return _checked_usage(usage, {}) if isinstance(usage, dict) else None
+    if not isinstance(usage, dict):  # a stream's finish event without usage, say
+        return _checked_usage({}, timings)
+    plain = _plain_usage(usage, timings)
+    return plain if plain is not None else _checked_usage(usage, timings)
+
+
+def _plain_usage(usage: dict[str, Any], timings: dict[str, Any]) -> Usage | None:
+    """The figures of a reply that carries all those llama-server writes, every count an int and
+    every time a float within range, none at odds with another (nearly every reply): what
+    `_checked_usage` makes of it, with nothing dropped. None for any other reply."""
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    prompt_n, cache_n, prompt_ms = timings.get("prompt_n"), timings.get("cache_n"), timings.get("prompt_ms")
+    predicted_n, predicted_ms = timings.get("predicted_n"), timings.get("predicted_ms")
+    details = usage.get("prompt_tokens_details")
+    # not used beside cache_n, but counted as dropped when out of range all the same
+    cached_detail = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not (type(prompt) is type(completion) is type(prompt_n) is type(cache_n) is type(predicted_n) is int):
         return None
-    usage = usage or {}
-    timings = timings or {}
+    if not (0 <= cache_n <= prompt <= MAX_TOKENS and 0 <= prompt_n <= MAX_TOKENS):
+        return None
+    if not (0 <= completion <= MAX_TOKENS and 0 <= predicted_n <= MAX_TOKENS):
+        return None
+    if not (cached_detail is None or (type(cached_detail) is int and 0 <= cached_detail <= MAX_TOKENS)):
+        return None
+    if not (type(prompt_ms) is type(predicted_ms) is float and 0 <= prompt_ms <= MAX_MILLIS):
+        return None
+    if not (0 <= predicted_ms <= MAX_MILLIS and completion * 1000.0 <= predicted_ms * MAX_TOKENS_PER_SECOND):
+        return None
+    return Usage(prompt, cache_n, completion, predicted_ms, prompt_n, prompt_ms)
+
+
+def _checked_usage(usage: dict[str, Any], timings: dict[str, Any]) -> Usage:
+    """Any reply's figures, read one by one: those missing or out of range are None, and the
+    ones present but out of range are counted in `dropped`."""
     details = usage.get("prompt_tokens_details")
     details = details if isinstance(details, dict) else {}
     fig = _Figures()

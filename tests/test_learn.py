@@ -1,11 +1,17 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies_util import mostly
 
-from crossbar.learn import BusyMeter, RateLearner
+from crossbar import learn, tap
+from crossbar.learn import MIN_GEN_SAMPLE, MIN_PREFILL_SAMPLE, BusyMeter, RateLearner
+from crossbar.tap import Usage
 from crossbar.yieldpolicy import Rates, Running
 from llamasim.server import timings_json
 
@@ -188,3 +194,79 @@ def test_a_forgotten_host_is_learned_afresh() -> None:
     learner.forget("a")
     assert learner.rates("b", "m") == Rates(pytest.approx(20_000.0), pytest.approx(1_000.0), 500.0, 2_000.0)
     assert learner.rates("a", "m") == learner.rates("z", "m")  # no more than any host never seen
+
+
+# ---------------------------------------------------------------- a reply's usage, learned directly
+
+def _figure(plain: st.SearchStrategy[Any], *odd: Any) -> st.SearchStrategy[Any]:
+    """`plain` nine times in ten, else one of `odd` (absent, or at a bound)."""
+    return st.tuples(mostly(True, False), plain, st.sampled_from(odd)).map(lambda t: t[1] if t[0] else t[2])
+
+
+# figures as `crossbar.tap` leaves them: whole counts and float milliseconds within its bounds
+_counts = _figure(st.integers(0, 3_000), None, 0, MIN_GEN_SAMPLE - 1, MIN_PREFILL_SAMPLE - 1,
+                  learn.MAX_TOKENS, learn.MAX_TOKENS + 1, tap.MAX_TOKENS)
+_millis = _figure(st.floats(0.0, 5_000.0), None, 0.0, -0.0, 1e-9, tap.MAX_MILLIS)
+_usages = st.builds(Usage, prompt_tokens=_counts, cached_tokens=_counts, completion_tokens=_counts,
+                    predicted_ms=_millis, prompt_n=_counts, prompt_ms=_millis)
+_replies = st.lists(st.tuples(st.sampled_from("ab"), st.sampled_from(["m", "n"]), _usages,
+                              st.sampled_from([None, "c1", "c2", "c3"]), st.sampled_from([0.0, 1.0, 61.0])),
+                    max_size=12)
+
+
+def _learned(learner: RateLearner) -> str:
+    """All a learner holds, types and order included."""
+    return repr((list(learner._pairs.items()), learner._by_model, list(learner._conversations.items())))
+
+
+@settings(max_examples=500, deadline=None)
+@given(_replies)
+def test_a_replys_usage_teaches_what_its_timings_object_teaches(replies: list[tuple[Any, ...]]) -> None:
+    clock = Clock()
+    direct, via_timings = (RateLearner(clock, conversation_ttl=60.0, max_pairs=3, max_conversations=2)
+                           for _ in range(2))
+    for host, model, u, conversation, wait in replies:
+        clock.now += wait
+        direct.observe_usage(host, model, u, conversation)
+        figures = {"prompt_n": u.prompt_n, "prompt_ms": u.prompt_ms, "cache_n": u.cached_tokens,
+                   "predicted_n": u.completion_tokens, "predicted_ms": u.predicted_ms}
+        via_timings.observe(host, model, {k: v for k, v in figures.items() if v is not None}, conversation)
+        assert _learned(direct) == _learned(via_timings)
+
+
+class _Memory:
+    """What a learner remembers of conversations, kept the plainest way: per conversation its last
+    reply, when that was, and what each host that served it held; started afresh once older than
+    the TTL; the least recently remembered forgotten beyond the bound."""
+
+    def __init__(self, ttl: float, bound: int) -> None:
+        self.ttl, self.bound = ttl, bound
+        self.entries: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def remember(self, now: float, conversation: str, host: str, reply: float, held: float | None) -> None:
+        entry = self.entries.get(conversation)
+        if entry is None or now - entry["when"] > self.ttl:
+            entry = {"held": {}}
+        entry.update(reply=reply, when=now)
+        if held is not None:
+            entry["held"][host] = int(held)
+        self.entries[conversation] = entry
+        self.entries.move_to_end(conversation)
+        while len(self.entries) > self.bound:
+            self.entries.popitem(last=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 3), st.lists(st.tuples(st.sampled_from(["c1", "c2", "c3", "c4"]), st.sampled_from("ab"),
+                                             st.floats(0, 1e6), st.none() | st.floats(0, 1e6),
+                                             st.sampled_from([0.0, 1.0, 60.0, 61.0])), max_size=20))
+def test_conversations_are_remembered_as_the_plain_model_remembers_them(
+        bound: int, replies: list[tuple[str, str, float, float | None, float]]) -> None:
+    clock = Clock()
+    learner, model = RateLearner(clock, conversation_ttl=60.0, max_conversations=bound), _Memory(60.0, bound)
+    for conversation, host, reply, held, wait in replies:
+        clock.now += wait
+        learner._remember(conversation, host, reply, held)
+        model.remember(clock.now, conversation, host, reply, held)
+        assert [(c, m.reply_tokens, m.when, m.held) for c, m in learner._conversations.items()] == [
+            (c, e["reply"], e["when"], e["held"]) for c, e in model.entries.items()]

@@ -688,6 +688,29 @@ def test_a_tuple_enqueues_the_values_and_types_a_mapping_does() -> None:
         assert as_tuple[1] == as_mapping[1] == bad, over
 
 
+@pytest.mark.parametrize("form", ["mapping", "tuple", "named tuple"])
+def test_record_request_enqueues_what_the_normaliser_gives(form: str, db_path: Path) -> None:
+    """`record_request` takes the usual row's shortcut itself: every row still goes to the writer
+    as `_request_values` makes it (the very tuple given, when it is the usual one)."""
+    row_type = namedtuple("row_type", REQUEST_COLUMNS)  # type: ignore[misc]
+    s = Store(str(db_path), clock=lambda: NOW)
+    enqueued: list[tuple[str, Any]] = []
+    s._queue.put = lambda kind, data: enqueued.append((kind, data))  # type: ignore[method-assign]
+    for over, _, _, dropped in ROW_CASES:
+        row = as_given(over, "tuple" if form == "named tuple" else form)
+        if form == "named tuple" and isinstance(row, tuple):
+            row = row_type(*row)
+        bad_before, enqueued_before = s.bad_figures, len(enqueued)
+        s.record_request(row)
+        if dropped:
+            assert len(enqueued) == enqueued_before, over
+            continue
+        values, bad = _request_values(row, NOW)
+        assert enqueued[-1][0] == "request" and s.bad_figures - bad_before == bad, over
+        assert [(type(v), v) for v in enqueued[-1][1]] == [(type(v), v) for v in values], over
+        assert (enqueued[-1][1] is row) == (values is row), over
+
+
 def test_a_row_of_the_wrong_length_is_dropped_and_counted(store: Store) -> None:
     store.record_request(("r1", "fp1", "m1"))
     assert store.dropped == 1 and store.pending == 0

@@ -1,14 +1,18 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from strategies_util import mostly
 
-from crossbar import jsonread
+from crossbar import jsonread, tap
 from crossbar.jsonread import UNREAD
 from crossbar.tap import SSETap, Usage, merge, usage_from_body, usage_from_object
 
@@ -457,3 +461,70 @@ def test_events_read_by_orjson_give_the_standard_librarys_usage(body: bytes) -> 
     with mock.patch.object(jsonread, "loads", lambda text: UNREAD):
         standard = scan()
     assert scan() == standard
+
+
+# ---------------------------------------------------------------- the plain reply's shortcut
+
+_ODD_COUNTS = (None, -1, tap.MAX_TOKENS, tap.MAX_TOKENS + 1, 2**70, 7.0, 7.5, -0.0, math.nan, True, "7", [7])
+_ODD_MILLIS = (None, 0.0, -0.0, -1.0, 2, tap.MAX_MILLIS, tap.MAX_MILLIS * 1.01, math.inf, math.nan, False,
+               "1")
+_NOT_OBJECTS = (None, "x", [1], 7)
+
+
+def _mostly(plain: st.SearchStrategy[Any], odd: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """`plain` nine times in ten, else `odd`."""
+    return st.tuples(mostly(True, False), plain, odd).map(lambda t: t[1] if t[0] else t[2])
+
+
+def _object(**members: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    """An object with these members, one whose member is None leaving it out (as a reply does)."""
+    return st.fixed_dictionaries(members).map(lambda d: {k: v for k, v in d.items() if v is not None})
+
+
+def _member(**members: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Mostly an object with these members, now and then no object at all."""
+    return _mostly(_object(**members), st.sampled_from(_NOT_OBJECTS))
+
+
+def _count(high: int) -> st.SearchStrategy[Any]:
+    return _mostly(st.integers(0, high), st.sampled_from(_ODD_COUNTS))
+
+
+_millis = _mostly(st.floats(0.0, 50.0), st.sampled_from(_ODD_MILLIS))
+_replies = _object(  # a cached part is drawn smaller than the prompt, mostly (as it is)
+    usage=_member(prompt_tokens=_count(3_000), completion_tokens=_count(3_000),
+                  prompt_tokens_details=_member(cached_tokens=_count(1_000))),
+    timings=_member(prompt_n=_count(3_000), cache_n=_count(1_000), predicted_n=_count(3_000),
+                    prompt_ms=_millis, predicted_ms=_millis),
+)
+
+
+def _read_figure_by_figure(obj: dict[str, Any]) -> Usage | None:
+    """`usage_from_object` without its shortcut for plain replies."""
+    usage, timings = obj.get("usage"), obj.get("timings")
+    if not isinstance(usage, dict) and not isinstance(timings, dict):
+        return None
+    return tap._checked_usage(usage if isinstance(usage, dict) else {},
+                              timings if isinstance(timings, dict) else {})
+
+
+@settings(max_examples=2_000, deadline=None)
+@given(_replies)
+def test_the_plain_reply_shortcut_agrees_with_the_figure_by_figure_reading(reply: dict[str, Any]) -> None:
+    expected, usage = _read_figure_by_figure(reply), usage_from_object(reply)
+    with mock.patch.object(tap, "_checked_usage", lambda *_: None):
+        shortcut = usage_from_object(reply) is not None
+    event(f"shortcut answered: {shortcut}; figures dropped: {expected.dropped if expected else None}")
+    assert usage == expected
+    if usage is not None and expected is not None:
+        assert usage.dropped == expected.dropped
+        assert [type(getattr(usage, f)) for f in Usage.__slots__] == [
+            type(getattr(expected, f)) for f in Usage.__slots__]
+
+
+@needs_samples
+@pytest.mark.parametrize("name", list(BODIES))
+def test_a_recorded_llama_server_reply_takes_the_shortcut(name: str) -> None:
+    """(else the property above would hold vacuously for the replies that matter)"""
+    reply = json.loads(_body(name))
+    assert tap._plain_usage(reply["usage"], reply["timings"]) == BODIES[name]

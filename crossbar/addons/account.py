@@ -147,9 +147,7 @@ def _encoded(response: http.Response) -> bool:
 
 def _holds_large_body(flow: http.HTTPFlow) -> bool:
     """A request body left unfinished, or a large request or answer body (not a stream)."""
-    if flow.request.timestamp_end is None:
+    request, response = flow.request, flow.response
+    if request.timestamp_end is None or len(request.raw_content or b"") >= req.OFF_LOOP_BYTES:
         return True
-    large = req.OFF_LOOP_BYTES
-    response = flow.response
-    return (len(flow.request.raw_content or b"") >= large
-            or (response is not None and len(response.raw_content or b"") >= large))
+    return response is not None and len(response.raw_content or b"") >= req.OFF_LOOP_BYTES
