@@ -406,6 +406,18 @@ class Router:
             return
         key = self.fleet.slot_key(ex.host, ex.model)
         ticket = Ticket(ex.host, key, held=ex.route.queue)
+        if self.fleetwide is None and (gone is None or not gone.is_set()) and self.limiter.take(ticket):
+            # granted without a wait, and nothing ran meanwhile: no rebalance pass can have seen it
+            # queued, so it is not entered in `_waiting` (its wait counts 0 ms)
+            ex.hold_slot(ticket, self._release)
+        else:
+            await self._wait_for_slot(ex, key, ticket, gone)
+        self.metrics.queue_wait.observe((ex.host, self.model_label(ex.model)), ticket.queued_s)
+
+    async def _wait_for_slot(self, ex: Exchange, key: str, ticket: Ticket,
+                             gone: asyncio.Event | None) -> None:
+        """`take_slot` where the slot may need a wait: a queue (where a rebalance pass finds the
+        request, to yield it elsewhere), or a slot across the instances sharing the database."""
         where = (ex.host, key)
         self._waiting.setdefault(where, {})[ex] = ticket
         waiting_since = time.monotonic()
@@ -425,7 +437,6 @@ class Router:
             self._stop_waiting(where, ex)
             ex.queued_ms += int((time.monotonic() - waiting_since) * 1000)
         ex.hold_slot(ticket, release)
-        self.metrics.queue_wait.observe((ex.host, self.model_label(ex.model)), ticket.queued_s)
 
     async def _fleet_slot(self, ex: Exchange, ticket: Ticket, key: str,
                           gone: asyncio.Event | None) -> Callable[[Ticket], None]:
@@ -441,7 +452,7 @@ class Router:
         if not parallel:
             return self._release
         wait = FLEET_SLOT_WAIT if ex.route.queue else 0.0
-        try:  # its wait counts in `queued_ms` with the local one (see `take_slot`)
+        try:  # its wait counts in `queued_ms` with the local one (see `_wait_for_slot`)
             token = await fw.fleet_slot(ex.host, key, parallel, wait, gone)
         except BaseException:
             self._release(ticket)
