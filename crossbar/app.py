@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 
 from crossbar import errors
 from crossbar.choose import Candidate
@@ -207,7 +208,7 @@ class Router:
         if self._reloaded and ex.route is not self.cfg.routes.get(ex.route.name):
             ex.route = _route_now(ex.route, ex.key.route, self.cfg)
         self.live.add(ex)
-        ex.on_end(lambda: self.live.discard(ex))
+        ex.on_end(partial(self.live.discard, ex))
         if ex.completion:
             self.leases.hold(ex.key)
             ex.on_end(lambda: self.leases.unhold(ex.key, time.time()))
@@ -356,11 +357,15 @@ class Router:
         st = fleet.state.get(host)
         if st is None or not model:
             return None
-        key = fleet.slot_key(host, model)
+        key, tokens = fleet.slot_key(host, model), self.estimator.estimate(host, model, ex.prompt_bytes)
         home = Home(known=fleet.knows(host, model), healthy=st.healthy,
-                    fits=fits(self.estimate(ex, host), fleet.slot_ctx(host, model)),
+                    fits=fits(tokens, fleet.slot_ctx(host, model)),
                     free=fleet.free_slots(host, model, self.limiter.in_flight(host, key)) > 0)
-        return stay(self._ask(ex, Reason.UNHEALTHY), view, home, time.time(), self.cfg.lease_idle)
+        # the request's `Ask` without its plain prompt estimate, which `stay` never reads (`Home` says
+        # whether the prompt fits, by the host's own estimate)
+        ask = Ask(route=ex.key.route, model=model, hosts=ex.route.hosts, fp=ex.key.fp,
+                  excluded=frozenset(ex.excluded), yield_factor=self.yield_factor(ex.route))
+        return stay(ask, view, home, time.time(), self.cfg.lease_idle)
 
     def _settle(self, ex: Exchange, placed: Placement) -> None:
         self.leases.apply(ex.key, placed.change, time.time())
@@ -546,7 +551,7 @@ class Router:
         if not ex.completion:
             return
         if ex.sent_to is None:
-            ex.on_end(lambda: self._unsent(ex))
+            ex.on_end(partial(self._unsent, ex))
         else:
             self._unsent(ex)
         where = (ex.host, self.fleet.slot_key(ex.host, ex.model))
