@@ -149,11 +149,15 @@ class Fleet:
         # hosts a reload removed while requests still held them: their settings and state stay
         # until those requests end (`sweep`); placement never sees them (no route lists them)
         self.retired: dict[str, HostConf] = {}
+        # every host's settings, configured or retired (`conf_of`), in one map the questions below read
+        self._settings = dict(hosts)
 
     def conf_of(self, host: str) -> HostConf:
         """The host's settings: configured, or retired but still serving what it was given."""
-        conf = self.conf.get(host)
-        return conf if conf is not None else self.retired[host]
+        return self._settings[host]
+
+    def _settings_changed(self) -> None:
+        self._settings = {**self.retired, **self.conf}  # configured first: the two never share a name
 
     def reconfigure(self, hosts: Mapping[str, HostConf]) -> list[str]:
         """Take a reloaded host list. A host that stays keeps what was learned about it, unless
@@ -170,6 +174,7 @@ class Fleet:
             if name not in self.state or name in fresh:
                 self.state[name] = HostState(name)
         self.conf = hosts
+        self._settings_changed()
         return fresh
 
     def sweep(self, busy: Callable[[str], bool]) -> list[str]:
@@ -178,6 +183,7 @@ class Fleet:
         for name in done:
             del self.retired[name]
             self.state.pop(name, None)
+        self._settings_changed()
         return done
 
     # -- HostView
@@ -199,11 +205,11 @@ class Fleet:
         st = self.state[host]
         if st.router:
             return model in st.loaded
-        return self.conf_of(host).serves(model)
+        return self._settings[host].serves(model)
 
     def knows(self, host: str, model: str) -> bool:
         """The host's config lists the model, or the host reports it (`/v1/models`)."""
-        return self.conf_of(host).serves(model) or model in self.state[host].loaded
+        return self._settings[host].serves(model) or model in self.state[host].loaded
 
     def slot_key(self, host: str, model: str) -> str:
         """The model under which the host's slots are counted. A llama-server router runs a
@@ -214,16 +220,16 @@ class Fleet:
     def capacity(self, host: str, model: str) -> int:
         """Slots crossbar lets run at once: `parallel` from config, else learned, else 1.
         `model` "" is a single server's shared slots (its largest configured `parallel`)."""
-        st = self.state[host]
         parallel = self.configured_parallel(host, model)
         if parallel:
             return parallel
+        st = self.state[host]
         learned = st.models.get(model, ModelCtx()).slots if model else 0
         return learned or (0 if st.router else st.slots) or 1
 
     def configured_parallel(self, host: str, model: str) -> int | None:
         """`parallel` from config (model "": the largest of the host's), None when not set."""
-        conf = self.conf_of(host)
+        conf = self._settings[host]
         if model:
             mconf = conf.models.get(model)
             return mconf.parallel if mconf is not None else None
@@ -243,7 +249,7 @@ class Fleet:
 
     def slot_ctx(self, host: str, model: str) -> int:
         """Per-slot context for the model on this host (0 = unknown)."""
-        mconf = self.conf_of(host).models.get(model)
+        mconf = self._settings[host].models.get(model)
         if mconf is not None and mconf.ctx:
             return mconf.ctx
         st = self.state[host]
