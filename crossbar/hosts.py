@@ -43,6 +43,9 @@ class ModelCtx:
     slots: int = 0
 
 
+_NO_CTX = ModelCtx()  # a model /props said nothing about (only ever read)
+
+
 @dataclass(slots=True)
 class PollResult:
     ok: bool
@@ -149,15 +152,18 @@ class Fleet:
         # hosts a reload removed while requests still held them: their settings and state stay
         # until those requests end (`sweep`); placement never sees them (no route lists them)
         self.retired: dict[str, HostConf] = {}
-        # every host's settings, configured or retired (`conf_of`), in one map the questions below read
-        self._settings = dict(hosts)
+        self._settings_changed()
 
     def conf_of(self, host: str) -> HostConf:
         """The host's settings: configured, or retired but still serving what it was given."""
         return self._settings[host]
 
     def _settings_changed(self) -> None:
-        self._settings = {**self.retired, **self.conf}  # configured first: the two never share a name
+        """What the questions below read of the settings, kept as reloads and sweeps change them:
+        every host's (`conf_of`: configured first, though the two never share a name) and the
+        `parallel` each sets per slot key (`configured_parallel`)."""
+        self._settings = {**self.retired, **self.conf}
+        self._parallel = _parallel_by_slot_key(self._settings)
 
     def reconfigure(self, hosts: Mapping[str, HostConf]) -> list[str]:
         """Take a reloaded host list. A host that stays keeps what was learned about it, unless
@@ -220,20 +226,17 @@ class Fleet:
     def capacity(self, host: str, model: str) -> int:
         """Slots crossbar lets run at once: `parallel` from config, else learned, else 1.
         `model` "" is a single server's shared slots (its largest configured `parallel`)."""
-        parallel = self.configured_parallel(host, model)
+        parallel = self._parallel.get((host, model))
         if parallel:
             return parallel
         st = self.state[host]
-        learned = st.models.get(model, ModelCtx()).slots if model else 0
+        learned = st.models.get(model, _NO_CTX).slots if model else 0
         return learned or (0 if st.router else st.slots) or 1
 
     def configured_parallel(self, host: str, model: str) -> int | None:
-        """`parallel` from config (model "": the largest of the host's), None when not set."""
-        conf = self._settings[host]
-        if model:
-            mconf = conf.models.get(model)
-            return mconf.parallel if mconf is not None else None
-        return conf.max_parallel
+        """`parallel` from config (model "": the largest of the host's), None when not set (or the
+        host is neither configured nor retired)."""
+        return self._parallel.get((host, model))
 
     def free_slots(self, host: str, model: str, in_flight: int, capacity: int | None = None) -> int:
         """Free slots from the host's own `/slots` when known, never more than our own view.
@@ -305,6 +308,16 @@ class Fleet:
 
 def _address(conf: HostConf) -> tuple[str, str, int, str]:
     return conf.scheme, conf.host, conf.port, conf.base_path
+
+
+def _parallel_by_slot_key(settings: Mapping[str, HostConf]) -> dict[tuple[str, str], int | None]:
+    """(host, slot key) → `parallel` from config: each listed model's, and under "" (a single
+    server's shared slots) the largest of the host's."""
+    table: dict[tuple[str, str], int | None] = {}
+    for name, conf in settings.items():
+        table.update(((name, model), mconf.parallel) for model, mconf in conf.models.items())
+        table[(name, "")] = conf.max_parallel
+    return table
 
 
 # ---------------------------------------------------------------- polling (I/O)
