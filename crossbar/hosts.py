@@ -189,7 +189,8 @@ class Fleet:
         for name in done:
             del self.retired[name]
             self.state.pop(name, None)
-        self._settings_changed()
+        if done:
+            self._settings_changed()
         return done
 
     # -- HostView
