@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 
 from crossbar import errors
 from crossbar.choose import Candidate
@@ -207,7 +208,7 @@ class Router:
         if self._reloaded and ex.route is not self.cfg.routes.get(ex.route.name):
             ex.route = _route_now(ex.route, ex.key.route, self.cfg)
         self.live.add(ex)
-        ex.on_end(lambda: self.live.discard(ex))
+        ex.on_end(partial(self.live.discard, ex))
         if ex.completion:
             self.leases.hold(ex.key)
             ex.on_end(lambda: self.leases.unhold(ex.key, time.time()))
@@ -356,11 +357,15 @@ class Router:
         st = fleet.state.get(host)
         if st is None or not model:
             return None
-        key = fleet.slot_key(host, model)
+        key, tokens = fleet.slot_key(host, model), self.estimator.estimate(host, model, ex.prompt_bytes)
         home = Home(known=fleet.knows(host, model), healthy=st.healthy,
-                    fits=fits(self.estimate(ex, host), fleet.slot_ctx(host, model)),
+                    fits=fits(tokens, fleet.slot_ctx(host, model)),
                     free=fleet.free_slots(host, model, self.limiter.in_flight(host, key)) > 0)
-        return stay(self._ask(ex, Reason.UNHEALTHY), view, home, time.time(), self.cfg.lease_idle)
+        # the request's `Ask` without its plain prompt estimate, which `stay` never reads (`Home` says
+        # whether the prompt fits, by the host's own estimate)
+        ask = Ask(route=ex.key.route, model=model, hosts=ex.route.hosts, fp=ex.key.fp,
+                  excluded=frozenset(ex.excluded), yield_factor=self.yield_factor(ex.route))
+        return stay(ask, view, home, time.time(), self.cfg.lease_idle)
 
     def _settle(self, ex: Exchange, placed: Placement) -> None:
         self.leases.apply(ex.key, placed.change, time.time())
@@ -406,6 +411,18 @@ class Router:
             return
         key = self.fleet.slot_key(ex.host, ex.model)
         ticket = Ticket(ex.host, key, held=ex.route.queue)
+        if self.fleetwide is None and (gone is None or not gone.is_set()) and self.limiter.take(ticket):
+            # granted without a wait, and nothing ran meanwhile: no rebalance pass can have seen it
+            # queued, so it is not entered in `_waiting` (its wait counts 0 ms)
+            ex.hold_slot(ticket, self._release)
+        else:
+            await self._wait_for_slot(ex, key, ticket, gone)
+        self.metrics.queue_wait.observe((ex.host, self.model_label(ex.model)), ticket.queued_s)
+
+    async def _wait_for_slot(self, ex: Exchange, key: str, ticket: Ticket,
+                             gone: asyncio.Event | None) -> None:
+        """`take_slot` where the slot may need a wait: a queue (where a rebalance pass finds the
+        request, to yield it elsewhere), or a slot across the instances sharing the database."""
         where = (ex.host, key)
         self._waiting.setdefault(where, {})[ex] = ticket
         waiting_since = time.monotonic()
@@ -425,7 +442,6 @@ class Router:
             self._stop_waiting(where, ex)
             ex.queued_ms += int((time.monotonic() - waiting_since) * 1000)
         ex.hold_slot(ticket, release)
-        self.metrics.queue_wait.observe((ex.host, self.model_label(ex.model)), ticket.queued_s)
 
     async def _fleet_slot(self, ex: Exchange, ticket: Ticket, key: str,
                           gone: asyncio.Event | None) -> Callable[[Ticket], None]:
@@ -441,7 +457,7 @@ class Router:
         if not parallel:
             return self._release
         wait = FLEET_SLOT_WAIT if ex.route.queue else 0.0
-        try:  # its wait counts in `queued_ms` with the local one (see `take_slot`)
+        try:  # its wait counts in `queued_ms` with the local one (see `_wait_for_slot`)
             token = await fw.fleet_slot(ex.host, key, parallel, wait, gone)
         except BaseException:
             self._release(ticket)
@@ -535,7 +551,7 @@ class Router:
         if not ex.completion:
             return
         if ex.sent_to is None:
-            ex.on_end(lambda: self._unsent(ex))
+            ex.on_end(partial(self._unsent, ex))
         else:
             self._unsent(ex)
         where = (ex.host, self.fleet.slot_key(ex.host, ex.model))

@@ -30,6 +30,8 @@ class Exchange:
     key: Key
     path: str  # upstream path without query
     completion: bool  # a POST that takes a slot and writes an accounting row
+    # the conversation's model, `key.model`: read by every step of the request, so kept as a field
+    model: str = field(init=False, repr=False)
     stream: bool = False
     prompt_bytes: int = 0
     ctx_moved: str = ""  # "moved:<from>><to>" when the context guard moved it (X-Crossbar-Ctx)
@@ -56,9 +58,8 @@ class Exchange:
     _release_ticket: Callable[[Ticket], None] | None = field(default=None, repr=False)
     _cleanups: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
-    @property
-    def model(self) -> str:
-        return self.key.model
+    def __post_init__(self) -> None:
+        self.model = self.key.model
 
     # ---- resources ----------------------------------------------------------------------------
 
@@ -67,7 +68,8 @@ class Exchange:
         self._cleanups.append(cleanup)
 
     def hold_slot(self, ticket: Ticket, release: Callable[[Ticket], None]) -> None:
-        self.drop_slot()
+        if self.ticket is not None:  # a slot still held is given back first
+            self.drop_slot()
         self.ticket, self._release_ticket = ticket, release
 
     def drop_slot(self) -> None:
@@ -79,7 +81,8 @@ class Exchange:
     def arm_deadline(self, delay: float, overdue: Callable[[str], None]) -> None:
         """Call `overdue(host)` unless a first byte arrives within `delay`; re-arming replaces it,
         so the timer always names the host the request was last sent to."""
-        self.cancel_deadline()
+        if self.deadline is not None:
+            self.deadline.cancel()
         self.deadline = asyncio.get_running_loop().call_later(delay, overdue, self.host)
 
     def cancel_deadline(self) -> None:

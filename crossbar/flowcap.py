@@ -6,16 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mitmproxy import ctx, http
+from mitmproxy.addons.view import View
 
 
 class FlowCap:
     def __init__(self, keep: Callable[[], int]):
         self.keep = keep  # read at every trim: the limit comes from crossbar's config
+        self.view: View | None = None  # mitmweb's flow store, found once mitmproxy runs
 
-    def _trim(self) -> None:
-        view = ctx.master.addons.get("view")
-        if view is None:
-            return
+    def running(self) -> None:
+        self.view = ctx.master.addons.get("view")
+
+    def _trim(self, view: View) -> None:
         excess = view.store_count() - self.keep()
         if excess <= 0:
             return
@@ -24,7 +26,9 @@ class FlowCap:
             view.remove(oldest)
 
     def response(self, flow: http.HTTPFlow) -> None:
-        self._trim()
+        if self.view is not None:
+            self._trim(self.view)
 
     def error(self, flow: http.HTTPFlow) -> None:
-        self._trim()
+        if self.view is not None:
+            self._trim(self.view)

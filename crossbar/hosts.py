@@ -43,6 +43,9 @@ class ModelCtx:
     slots: int = 0
 
 
+_NO_CTX = ModelCtx()  # a model /props said nothing about (only ever read)
+
+
 @dataclass(slots=True)
 class PollResult:
     ok: bool
@@ -149,11 +152,18 @@ class Fleet:
         # hosts a reload removed while requests still held them: their settings and state stay
         # until those requests end (`sweep`); placement never sees them (no route lists them)
         self.retired: dict[str, HostConf] = {}
+        self._settings_changed()
 
     def conf_of(self, host: str) -> HostConf:
         """The host's settings: configured, or retired but still serving what it was given."""
-        conf = self.conf.get(host)
-        return conf if conf is not None else self.retired[host]
+        return self._settings[host]
+
+    def _settings_changed(self) -> None:
+        """What the questions below read of the settings, kept as reloads and sweeps change them:
+        every host's (`conf_of`: configured first, though the two never share a name) and the
+        `parallel` each sets per slot key (`configured_parallel`)."""
+        self._settings = {**self.retired, **self.conf}
+        self._parallel = _parallel_by_slot_key(self._settings)
 
     def reconfigure(self, hosts: Mapping[str, HostConf]) -> list[str]:
         """Take a reloaded host list. A host that stays keeps what was learned about it, unless
@@ -170,6 +180,7 @@ class Fleet:
             if name not in self.state or name in fresh:
                 self.state[name] = HostState(name)
         self.conf = hosts
+        self._settings_changed()
         return fresh
 
     def sweep(self, busy: Callable[[str], bool]) -> list[str]:
@@ -178,6 +189,8 @@ class Fleet:
         for name in done:
             del self.retired[name]
             self.state.pop(name, None)
+        if done:
+            self._settings_changed()
         return done
 
     # -- HostView
@@ -199,11 +212,11 @@ class Fleet:
         st = self.state[host]
         if st.router:
             return model in st.loaded
-        return self.conf_of(host).serves(model)
+        return self._settings[host].serves(model)
 
     def knows(self, host: str, model: str) -> bool:
         """The host's config lists the model, or the host reports it (`/v1/models`)."""
-        return self.conf_of(host).serves(model) or model in self.state[host].loaded
+        return self._settings[host].serves(model) or model in self.state[host].loaded
 
     def slot_key(self, host: str, model: str) -> str:
         """The model under which the host's slots are counted. A llama-server router runs a
@@ -214,20 +227,17 @@ class Fleet:
     def capacity(self, host: str, model: str) -> int:
         """Slots crossbar lets run at once: `parallel` from config, else learned, else 1.
         `model` "" is a single server's shared slots (its largest configured `parallel`)."""
-        st = self.state[host]
-        parallel = self.configured_parallel(host, model)
+        parallel = self._parallel.get((host, model))
         if parallel:
             return parallel
-        learned = st.models.get(model, ModelCtx()).slots if model else 0
+        st = self.state[host]
+        learned = st.models.get(model, _NO_CTX).slots if model else 0
         return learned or (0 if st.router else st.slots) or 1
 
     def configured_parallel(self, host: str, model: str) -> int | None:
-        """`parallel` from config (model "": the largest of the host's), None when not set."""
-        conf = self.conf_of(host)
-        if model:
-            mconf = conf.models.get(model)
-            return mconf.parallel if mconf is not None else None
-        return conf.max_parallel
+        """`parallel` from config (model "": the largest of the host's), None when not set (or the
+        host is neither configured nor retired)."""
+        return self._parallel.get((host, model))
 
     def free_slots(self, host: str, model: str, in_flight: int, capacity: int | None = None) -> int:
         """Free slots from the host's own `/slots` when known, never more than our own view.
@@ -243,7 +253,7 @@ class Fleet:
 
     def slot_ctx(self, host: str, model: str) -> int:
         """Per-slot context for the model on this host (0 = unknown)."""
-        mconf = self.conf_of(host).models.get(model)
+        mconf = self._settings[host].models.get(model)
         if mconf is not None and mconf.ctx:
             return mconf.ctx
         st = self.state[host]
@@ -299,6 +309,16 @@ class Fleet:
 
 def _address(conf: HostConf) -> tuple[str, str, int, str]:
     return conf.scheme, conf.host, conf.port, conf.base_path
+
+
+def _parallel_by_slot_key(settings: Mapping[str, HostConf]) -> dict[tuple[str, str], int | None]:
+    """(host, slot key) → `parallel` from config: each listed model's, and under "" (a single
+    server's shared slots) the largest of the host's."""
+    table: dict[tuple[str, str], int | None] = {}
+    for name, conf in settings.items():
+        table.update(((name, model), mconf.parallel) for model, mconf in conf.models.items())
+        table[(name, "")] = conf.max_parallel
+    return table
 
 
 # ---------------------------------------------------------------- polling (I/O)

@@ -143,10 +143,12 @@ class LeaseTable:
         """What placement needs to know about `key`'s conversation; `own`: the asking request is
         one of those holding it (it does not keep its own lease from idling)."""
         lease = self._leases.get(key)
-        parent = self._leases.get(Key(key.route, "", key.model)) if key.fp else None
+        host = lease.host if lease else ""
+        # placement reads the key-less lease only for a conversation that has none of its own
+        parent = self._leases.get(Key(key.route, "", key.model)) if key.fp and not host else None
         return LeaseView(
             pin=self._pins.get(key.route, ""),
-            host=lease.host if lease else "",
+            host=host,
             last_used=lease.last_used if lease else 0.0,
             busy=self._held[key] > (1 if own else 0),
             parent=parent.host if parent else "",

@@ -79,24 +79,33 @@ class Limiter:
         ticket: Ticket | None = None,
     ) -> Ticket:
         """A slot on (host, model): at once, after a FIFO wait, or QueueFull / ClientGone (or the
-        exception `withdraw` gave). `ticket`: the caller's own, to name the wait to `withdraw`."""
+        exception `withdraw` gave). `ticket`: the caller's own for (host, model) and `hold`, to
+        name the wait to `withdraw`."""
         if gone is not None and gone.is_set():
             raise ClientGone
-        slot = self._slot(host, model)
         ticket = Ticket(host, model, held=hold) if ticket is None else ticket
-        if not hold:
-            self._grant(slot, ticket, self._clock())
+        if self.take(ticket):
             return ticket
-        self._admit(host, model, slot)
-        if not slot.waiters and slot.in_flight < self._cap(host, model):
-            self._grant(slot, ticket, self._clock())
-            return ticket
+        slot = self._slot(host, model)
         if len(slot.waiters) >= self._queue_max:
             raise QueueFull(self.retry_after(host, model))
         waiter = _Waiter(ticket, self._clock(), asyncio.get_running_loop().create_future())
         slot.waiters.append(waiter)
         await self._wait(host, model, slot, waiter, gone)
         return ticket
+
+    def take(self, ticket: Ticket) -> bool:
+        """Grant the ticket its slot where that needs no wait: always to one that does not hold
+        a place (`held` False), else when nobody is queued and a slot is free (queued requests are
+        first given what a capacity increase freed). False: nothing granted; `acquire` queues it."""
+        host, model = ticket.host, ticket.model
+        slot = self._slot(host, model)
+        if ticket.held:
+            self._admit(host, model, slot)
+            if slot.waiters or slot.in_flight >= self._cap(host, model):
+                return False
+        self._grant(slot, ticket, self._clock())
+        return True
 
     def release(self, ticket: Ticket) -> None:
         """Free the ticket's slot and admit the next waiter(s); a second call does nothing."""
@@ -175,7 +184,11 @@ class Limiter:
     # ---- internals --------------------------------------------------------------------------
 
     def _slot(self, host: str, model: str) -> _Slot:
-        return self._slots.setdefault((host, model), _Slot())
+        try:  # not `setdefault`: it would build a _Slot at every call
+            return self._slots[(host, model)]
+        except KeyError:
+            slot = self._slots[(host, model)] = _Slot()
+            return slot
 
     def _cap(self, host: str, model: str) -> int:
         return max(1, self._capacity(host, model))

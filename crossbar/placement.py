@@ -67,7 +67,7 @@ class LeaseView(NamedTuple):
     host: str = ""  # the conversation's lease host ("" = no lease)
     last_used: float = 0.0  # end of its last request
     busy: bool = False  # a request of it is in flight or queued: never idle
-    parent: str = ""  # host of the route's fingerprint-less lease for the model
+    parent: str = ""  # without a lease host: the host of the route's fingerprint-less lease for the model
     route_hosts: tuple[str, ...] = ()  # reads: hosts the route's leases for the model live on
     idled: str = ""  # no lease because it idled out (swept): the host it was on
 

@@ -8,6 +8,8 @@ from contextlib import suppress
 from types import MappingProxyType
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from samples_util import SAMPLES, load
 
 from crossbar.config import HostConf, ModelConf
@@ -166,6 +168,51 @@ def test_capacity(conf: ModelConf, state: PollResult, capacity: int) -> None:
     fleet = fleet_of(a={"m": conf})
     fleet.apply("a", state)
     assert fleet.capacity("a", "m") == capacity
+
+
+def parallel_as_configured(conf: HostConf, model: str) -> int | None:
+    """`parallel` by its definition: the model's (None when the host does not list it), for
+    model "" the largest the host sets."""
+    if not model:
+        return conf.max_parallel
+    mconf = conf.models.get(model)
+    return mconf.parallel if mconf is not None else None
+
+
+NAMES = ("a", "b", "c")
+Hosts = dict[str, dict[str, ModelConf]]  # host → its models' settings
+host_lists = st.dictionaries(
+    st.sampled_from(NAMES),
+    st.dictionaries(st.sampled_from(("m", "n")), st.builds(ModelConf, parallel=st.sampled_from((None, 1, 3))),
+                    min_size=1),
+    min_size=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(host_lists, st.lists(st.tuples(host_lists, st.sets(st.sampled_from(NAMES))), max_size=3))
+def test_the_settings_the_fleet_reads_follow_reloads_and_sweeps(
+        first: Hosts, reloads: list[tuple[Hosts, set[str]]]) -> None:
+    """Every host's settings and `parallel` per slot key, kept as reloads retire hosts and sweeps
+    forget them (those a request still holds stay), answer as the configuration they come from."""
+    fleet = Fleet({name: host_conf(name, models=m) for name, m in first.items()})
+    answers_as_configured(fleet)
+    for hosts, held in reloads:
+        fleet.reconfigure({name: host_conf(name, models=m) for name, m in hosts.items()})
+        answers_as_configured(fleet)
+        fleet.sweep(lambda name, held=held: name in held)
+        answers_as_configured(fleet)
+
+
+def answers_as_configured(fleet: Fleet) -> None:
+    for name in set(NAMES) - set(fleet.conf) - set(fleet.retired):  # never configured, or forgotten
+        with pytest.raises(KeyError):
+            fleet.conf_of(name)
+    for name, conf in [*fleet.retired.items(), *fleet.conf.items()]:
+        assert fleet.conf_of(name) is conf
+        for model in ("", "m", "n", "other"):
+            parallel = parallel_as_configured(conf, model)
+            assert fleet.configured_parallel(name, model) == parallel
+            assert fleet.capacity(name, model) == (parallel or 1)  # nothing learned: 1
 
 
 def test_free_slots_prefer_the_hosts_own_report_but_never_exceed_ours() -> None:

@@ -66,9 +66,7 @@ def _run_async(handlers: tuple[Handler, ...]) -> Callable[..., Awaitable[None]]:
         for handler, is_coroutine in steps:
             if is_coroutine:
                 await handler(*args)
-                continue
-            result = handler(*args)
-            if result is not None and inspect.isawaitable(result):
+            elif (result := handler(*args)) is not None and inspect.isawaitable(result):
                 await result
 
     return hook

@@ -19,7 +19,9 @@ from mitmproxy import http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from crossbar import errors, headers
-from crossbar.addons.runtime import LOCAL, Runtime, answer_failed, close_socket, exchange_of
+from crossbar.addons.runtime import LOCAL, META, Runtime, answer_failed, close_socket
+from crossbar.app import Router
+from crossbar.config import HostConf
 from crossbar.decisions import Reason, Rejection
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
@@ -40,11 +42,11 @@ class Failover:
     # ------------------------------------------------------------ before the request is sent
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        rt, ex = self.rt, exchange_of(flow)
-        if ex is None or rt.router is None or flow.response is not None or flow.error is not None:
+        rt, router, ex = self.rt, self.rt.router, flow.metadata.get(META)
+        if ex is None or router is None or flow.response is not None or flow.error is not None:
             return
         try:
-            await self._reachable(flow, ex)
+            conf = await self._reachable(flow, ex, router)
             if rt.gone_event(flow).is_set():
                 raise ClientGone
         except CrossbarError as exc:
@@ -57,38 +59,34 @@ class Failover:
             log.exception("crossbar: request failed")
             rt.answer(flow, errors.internal("crossbar failed to route the request; see its log"), ex)
             return
-        self._forward(flow, ex)
+        self._forward(flow, ex, router, conf)
         rt.current[flow.client_conn] = flow
 
-    async def _reachable(self, flow: http.HTTPFlow, ex: Exchange) -> None:
+    async def _reachable(self, flow: http.HTTPFlow, ex: Exchange, router: Router) -> HostConf:
         """Pre-flight: unless this client connection already holds an open connection to the
         host (mitmproxy reuses it), check the host accepts one. A host that refuses is marked
         down and the request moves on (its lease with it) while crossbar can still answer;
-        nowhere left to go is crossbar's JSON error, not mitmproxy's 502 page."""
-        router = self.rt.router
-        assert router is not None
-        cfg = router.cfg
-        for _ in range(len(cfg.hosts)):
+        nowhere left to go is crossbar's JSON error, not mitmproxy's 502 page. Returns the
+        settings of the host the request goes to."""
+        for _ in range(len(router.cfg.hosts)):
             conf = router.host_conf(ex.host)
             if (conf.host, conf.port) in self.rt.upstreams.get(flow.client_conn, ()):
-                return
-            why = await preflight(conf.host, conf.port, cfg.connect_timeout)
+                return conf
+            why = await preflight(conf.host, conf.port, router.cfg.connect_timeout)
             if why is None:
                 ex.checked = (conf.host, conf.port)
-                return
+                return conf
             router.passive_mark(ex.host, f"connect failed: {why}")
             try:
                 await router.move(ex, "connect failed", self.rt.gone_event(flow))
             except CrossbarError:
                 ex.err = f"{ex.host}: connect failed: {why}; no other host"
                 raise
+        return router.host_conf(ex.host)
 
-    def _forward(self, flow: http.HTTPFlow, ex: Exchange) -> None:
-        """Send the request to its host, in origin-form whatever form the client used; the
-        first-byte deadline is armed for that host."""
-        router = self.rt.router
-        assert router is not None
-        conf = router.host_conf(ex.host)
+    def _forward(self, flow: http.HTTPFlow, ex: Exchange, router: Router, conf: HostConf) -> None:
+        """Send the request to its host (`conf`), in origin-form whatever form the client used;
+        the first-byte deadline is armed for that host."""
         point_at(flow.request, conf.scheme, conf.host, conf.port, conf.base_path + ex.path)
         ex.forwarded = True
         router.sent(ex)
@@ -98,7 +96,7 @@ class Failover:
         """The host accepted the request but sent nothing for `first_byte_timeout`: close its
         connection so the client gets an answer (mitmproxy's 502) instead of waiting forever.
         `host` is the one the timer was armed for; a request moved since is not its fault."""
-        ex, router = exchange_of(flow), self.rt.router
+        ex, router = flow.metadata.get(META), self.rt.router
         if ex is None or ex.ttfb_ms is not None or not flow.live or router is None or ex.host != host:
             return
         ex.err = f"no first byte from {host} within {router.cfg.first_byte_timeout:g}s"
@@ -114,7 +112,7 @@ class Failover:
         the request if the host refuses; only a 502 is possible when nothing else is left."""
         rt = self.rt
         flow = rt.current.get(data.client)
-        ex = exchange_of(flow) if flow else None
+        ex = flow.metadata.get(META) if flow else None
         if flow is None or ex is None or rt.router is None or data.server.address is None:
             return
         if ex.checked == data.server.address:
@@ -128,7 +126,7 @@ class Failover:
         except (CrossbarError, ClientGone):
             ex.err = f"{ex.host}: connect failed: {why}; no other host"
             return
-        self._forward(flow, ex)
+        self._forward(flow, ex, rt.router, rt.router.host_conf(ex.host))
         data.server.address = (flow.request.host, flow.request.port)
         if flow.request.scheme == "https":
             data.server.sni = flow.request.host
@@ -144,7 +142,7 @@ class Failover:
     # ------------------------------------------------------------ the answer
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        ex = exchange_of(flow)
+        ex = flow.metadata.get(META)
         if ex is None or flow.metadata.get(LOCAL) or flow.response is None:
             return
         ex.cancel_deadline()
@@ -152,12 +150,12 @@ class Failover:
         ex.status = flow.response.status_code
         if ex.ctx_moved:
             flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
-        streaming = bool(flow.response.stream)  # a body beyond mitmproxy's buffering bound
-        if ex.completion and ex.status in RETRY_STATUSES and not ex.retried and not streaming:
+        # a streamed answer (a body beyond mitmproxy's buffering bound) cannot be held back
+        if ex.completion and ex.status in RETRY_STATUSES and not ex.retried and not flow.response.stream:
             ex.retry_pending = True  # leave the (small) error body buffered: nothing reaches the client yet
 
     async def response(self, flow: http.HTTPFlow) -> None:
-        ex = exchange_of(flow)
+        ex = flow.metadata.get(META)
         if ex is None or not ex.retry_pending or self.rt.router is None or ex.finished:
             return
         ex.retry_pending = False
@@ -233,7 +231,7 @@ class Failover:
             ex.tap = tap
 
     def error(self, flow: http.HTTPFlow) -> None:
-        ex, router = exchange_of(flow), self.rt.router
+        ex, router = flow.metadata.get(META), self.rt.router
         if ex is None or router is None or ex.finished:
             return
         ex.cancel_deadline()

@@ -73,10 +73,11 @@ class Runtime:
                                      reason=Rejection.IDENTITY) from exc
 
     def gone_event(self, flow: http.HTTPFlow) -> asyncio.Event:
-        event = self.gone.get(flow.client_conn)
-        if event is None:
+        try:
+            return self.gone[flow.client_conn]  # made when the client connected
+        except KeyError:
             event = self.gone[flow.client_conn] = asyncio.Event()
-        return event
+            return event
 
     def answer(self, flow: http.HTTPFlow, exc: CrossbarError, ex: Exchange | None) -> None:
         """crossbar's own JSON error answer, counted by its reason."""
