@@ -1,7 +1,9 @@
 """mitmproxy script for `bench/lines.py`: counts the Python lines and calls of crossbar's code.
 
 Loaded before crossbar's own script (`-s bench/linecount_addon.py -s addons/crossbar.py`), with
-the option `linecount_root` naming the `crossbar` package folder whose code is counted. Counting
+the option `linecount_root` naming the `crossbar` package folder whose code is counted (`/`: all
+Python code in the process, the standard library's and installed packages' named by where they
+sit in them). Counting
 uses `sys.monitoring` (Python 3.12+) and is off until `GET /__linecount/start`; `GET
 /__linecount/stop` switches it off and answers the counts as JSON:
 `{"calls": {"module:function": n}, "lines": {"module:function:line": n}}`. Both paths are
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import sysconfig
 from collections import Counter
 from types import CodeType
 from typing import Any
@@ -21,6 +24,8 @@ from mitmproxy import ctx, http
 from mitmproxy.addonmanager import Loader
 
 TOOL = sys.monitoring.PROFILER_ID
+_SITE_PACKAGES = os.path.join(sysconfig.get_paths()["purelib"], "")
+_STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
 START, STOP = "/__linecount/start", "/__linecount/stop"
 
 
@@ -32,12 +37,23 @@ class LineCount:
         self._names: dict[CodeType, str | None] = {}
 
     def _name(self, code: CodeType) -> str | None:
-        """"module:function" for crossbar's code, None for anyone else's (then not looked at again)."""
+        """"module:function" for code under the root, None for any other (then not looked at again)."""
         if code not in self._names:
-            path = os.path.abspath(code.co_filename)
-            self._names[code] = (f"{os.path.relpath(path, self.root)}:{code.co_qualname}"
-                                 if path.startswith(self.root) else None)
+            self._names[code] = self._module(code.co_filename)
+            if self._names[code] is not None:
+                self._names[code] = f"{self._names[code]}:{code.co_qualname}"
         return self._names[code]
+
+    def _module(self, filename: str) -> str | None:
+        if self.root == os.sep and filename.startswith("<"):
+            return filename  # code generated at run time (`<string>`: named tuples, dataclasses)
+        path = os.path.abspath(filename)
+        if not path.startswith(self.root):
+            return None
+        for prefix, label in ((_SITE_PACKAGES, "site-packages/"), (_STDLIB, "stdlib/")):
+            if path.startswith(prefix):
+                return label + path[len(prefix):]
+        return os.path.relpath(path, self.root)
 
     def on_start(self, code: CodeType, offset: int) -> Any:
         name = self._name(code)
