@@ -70,16 +70,21 @@ class LineCount:
         return None
 
     def start(self) -> None:
+        """Count from now on (a second start begins the count again)."""
         self.calls.clear()
         self.lines.clear()
+        if sys.monitoring.get_tool(TOOL) is not None:
+            return
         sys.monitoring.use_tool_id(TOOL, "crossbar-linecount")
         sys.monitoring.register_callback(TOOL, sys.monitoring.events.PY_START, self.on_start)
         sys.monitoring.register_callback(TOOL, sys.monitoring.events.LINE, self.on_line)
         sys.monitoring.set_events(TOOL, sys.monitoring.events.PY_START | sys.monitoring.events.LINE)
 
     def stop(self) -> dict[str, dict[str, int]]:
-        sys.monitoring.set_events(TOOL, 0)
-        sys.monitoring.free_tool_id(TOOL)
+        """Stop counting (if it was on): what was counted since the start."""
+        if sys.monitoring.get_tool(TOOL) is not None:
+            sys.monitoring.set_events(TOOL, 0)
+            sys.monitoring.free_tool_id(TOOL)
         return {"calls": dict(self.calls), "lines": dict(self.lines)}
 
     def load(self, loader: Loader) -> None:

@@ -6,15 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mitmproxy import ctx, http
+from mitmproxy.addonmanager import Loader
 from mitmproxy.addons.view import View
 
 
 class FlowCap:
     def __init__(self, keep: Callable[[], int]):
         self.keep = keep  # read at every trim: the limit comes from crossbar's config
-        self.view: View | None = None  # mitmweb's flow store, found once mitmproxy runs
+        self.view: View | None = None  # mitmweb's flow store, found when crossbar is loaded
 
-    def running(self) -> None:
+    def load(self, loader: Loader) -> None:
+        # mitmweb has its store before any script loads; here, unlike in `running`, nothing an
+        # earlier part does at start-up can keep this from being found
         self.view = ctx.master.addons.get("view")
 
     def _trim(self, view: View) -> None:

@@ -44,6 +44,7 @@ from crossbar.decisions import Rejection
 log = logging.getLogger("crossbar")
 
 MAX_CHUNK_LINE = 4096  # a chunk-size line (with extensions) or one trailer line
+LENGTH_DIGITS = 18  # a Content-Length this long is already past any body crossbar takes
 DEADLINE_CHECK = 1.0  # seconds between looks at a deadline set while a read was waiting
 LINGER_SECONDS = 2.0
 TRIM_AFTER = 1024 * 1024  # an unfinished upload larger than this returns its memory to the system
@@ -135,7 +136,15 @@ def body_framing(head: bytes) -> tuple[str, int]:
         return HEAD, 0
     if not length.isdigit():
         return PASS, 0
-    return (LENGTH, int(length)) if int(length) else (HEAD, 0)
+    size = _length(length)
+    return (LENGTH, size) if size else (HEAD, 0)
+
+
+def _length(digits: bytes) -> int:
+    """A Content-Length's value; one of more digits than any body could need reads as 10**18
+    (over every `max_body`), without converting thousands of digits (which Python refuses)."""
+    significant = digits.lstrip(b"0")
+    return int(significant or b"0") if len(significant) <= LENGTH_DIGITS else 10 ** LENGTH_DIGITS
 
 
 def _plain_length(head: bytes) -> bytes | None:

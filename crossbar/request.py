@@ -647,13 +647,14 @@ def fingerprint(messages: Sequence[Mapping[str, Any]], key: bytes) -> str:
 
 
 _FP_DOMAIN = b"crossbar-fp-2\0"
+Sha256 = type(hashlib.sha256())  # the hash object's class (hashlib names it only in its stubs)
 _SHA256_BLOCK = 64
 _INNER_PAD = bytes(x ^ 0x36 for x in range(256))  # HMAC's ipad, as a `bytes.translate` table
 _OUTER_PAD = bytes(x ^ 0x5C for x in range(256))  # HMAC's opad
 
 
 @lru_cache(maxsize=4)
-def _keyed(key: bytes) -> tuple[hashlib._Hash, hashlib._Hash]:
+def _keyed(key: bytes) -> tuple[Sha256, Sha256]:
     """HMAC-SHA-256 (RFC 2104) under `key`, as its inner SHA-256 state (after the padded key and
     the domain) and its outer one (after the padded key): copied per fingerprint, not keyed again.
     This is `hmac.new(key, _FP_DOMAIN, hashlib.sha256)` taken apart: copying and finishing two

@@ -100,3 +100,11 @@ def test_the_counting_script_counts_only_code_under_its_root(tmp_path: Path) -> 
     assert counts["calls"] == {"counted_mod.py:work": 1}
     assert counts["lines"] == {"counted_mod.py:work:2": 1, "counted_mod.py:work:3": 4,
                                "counted_mod.py:work:4": 3, "counted_mod.py:work:5": 1}
+
+
+def test_the_counting_script_takes_a_second_start_and_a_stop_without_one(tmp_path: Path) -> None:
+    counter = linecount_addon.LineCount(str(tmp_path))
+    assert counter.stop() == {"calls": {}, "lines": {}}
+    counter.start()
+    counter.start()
+    assert counter.stop() == {"calls": {}, "lines": {}}

@@ -17,7 +17,10 @@ from accounting_util import send_turn
 from harness import ROOT, HostSpec, conversation, sim_fleet, single_host_config, wait_until
 from mitmproxy import master, options
 from mitmproxy.addons.view import View
+from mitmproxy.test import taddons, tflow
 from mitmproxy.tools.web.master import WebMaster
+
+from crossbar.flowcap import FlowCap
 
 KEEP = 10
 
@@ -64,3 +67,14 @@ async def test_mitmweb_flow_list_stays_within_mitmweb_keep_flows(tmp_path: Path)
             assert seen > 2 * KEEP
             paths = [f.request.path for f in view]
             assert paths[-1] == "/_crossbar/hosts" and "/v1/chat/completions" in paths  # newest kept
+
+
+def test_the_store_is_found_when_crossbar_loads_not_only_once_it_runs() -> None:
+    """Start-up may fail before the last part's `running` (a bad configuration, a busy port):
+    the cap must hold all the same."""
+    view, cap = View(), FlowCap(lambda: 2)
+    with taddons.context(view) as tctx:
+        tctx.master.addons.add(cap)  # mitmproxy calls `load`; `running` never comes
+        view.add([tflow.tflow(resp=True, live=False) for _ in range(5)])
+        cap.response(tflow.tflow(resp=True))
+        assert view.store_count() == 2

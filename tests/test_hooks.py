@@ -21,6 +21,8 @@ from crossbar.addons import Runtime, make_addons
 from crossbar.addons.runtime import META
 from crossbar.admin import Admin
 from crossbar.app import Router
+from crossbar.config import load_config
+from crossbar.reload import plan_reload
 from crossbar.tap import WHOLE_BODY_MAX, SSETap
 
 CHAT_BODY = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
@@ -113,6 +115,28 @@ async def test_request_rewrites_the_upstream_and_strips_the_route(tmp_path: Path
         assert (ex.host, ex.key.route, ex.key.model, ex.decision) == ("a", "r", "m", "new")
         await r.response(f)
         assert r.router.in_flight("a", "m") == 0
+
+
+async def test_a_reload_during_the_pre_flight_sends_the_request_where_it_moved_the_host(
+        tmp_path: Path) -> None:
+    """The pre-flight awaits a connection; a reload meanwhile may give the host a new address.
+    The request goes to that one (checked again when mitmproxy connects), never to the old."""
+    async with rig(tmp_path) as r:
+        hosts = {"a": ("http://llama-2.test:9090", HostSpec({"m": {"parallel": 4}}))}
+        routes = {"r": {"hosts": ["a"], "default_model": "m"}}
+        moved = load_config(write_config(tmp_path / "moved.toml", hosts, routes, db=str(r.router.cfg.db)))
+        checked: list[tuple[str, int]] = []
+
+        async def reload_while_connecting(host: str, port: int, timeout: float) -> None:
+            checked.append((host, port))
+            r.router.reconfigure(moved, plan_reload(r.router.cfg, moved))
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("crossbar.addons.failover.preflight", reload_while_connecting)
+            f = make_flow("/r/v1/chat/completions", CHAT_BODY)
+            await r.request(f)
+        assert checked == [("llama-1.test", 8080)]
+        assert (f.request.host, f.request.port) == ("llama-2.test", 9090)
 
 
 async def test_request_keeps_the_hosts_base_path(tmp_path: Path) -> None:

@@ -399,6 +399,16 @@ def test_request_framer_refusals(data: bytes, status: int) -> None:
         assert refusal is not None and refusal.status == status
 
 
+@pytest.mark.parametrize("length", [b"9" * 5000, b"0" * 5000 + b"101", b"1" + b"0" * 18])
+def test_a_content_length_of_many_digits_is_refused_as_too_large(length: bytes) -> None:
+    data = b"POST / HTTP/1.1\r\nContent-Length: " + length + b"\r\n\r\n"
+    for feed in (lambda f, d: f.feed(d), feed_bytewise):
+        _, refusal = feed(RequestFramer(max_head=64 * 1024, max_body=100), data)
+        assert refusal is not None and refusal.status == 413
+    zeros = b"POST / HTTP/1.1\r\nContent-Length: " + b"0" * 5000 + b"\r\n\r\n"
+    assert RequestFramer(max_head=64 * 1024, max_body=100).feed(zeros) == (zeros, None)
+
+
 def folded(header: bytes) -> bytes:
     return b"GET /_crossbar/hosts HTTP/1.1\r\nHost: 127.0.0.1\r\nX-A: b\r\n " + header + b"\r\n\r\n"
 

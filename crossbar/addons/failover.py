@@ -21,7 +21,6 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from crossbar import errors, headers
 from crossbar.addons.runtime import LOCAL, META, Runtime, answer_failed, close_socket
 from crossbar.app import Router
-from crossbar.config import HostConf
 from crossbar.decisions import Reason, Rejection
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
@@ -46,7 +45,7 @@ class Failover:
         if ex is None or router is None or flow.response is not None or flow.error is not None:
             return
         try:
-            conf = await self._reachable(flow, ex, router)
+            await self._reachable(flow, ex, router)
             if rt.gone_event(flow).is_set():
                 raise ClientGone
         except CrossbarError as exc:
@@ -59,34 +58,35 @@ class Failover:
             log.exception("crossbar: request failed")
             rt.answer(flow, errors.internal("crossbar failed to route the request; see its log"), ex)
             return
-        self._forward(flow, ex, router, conf)
+        self._forward(flow, ex, router)
         rt.current[flow.client_conn] = flow
 
-    async def _reachable(self, flow: http.HTTPFlow, ex: Exchange, router: Router) -> HostConf:
+    async def _reachable(self, flow: http.HTTPFlow, ex: Exchange, router: Router) -> None:
         """Pre-flight: unless this client connection already holds an open connection to the
         host (mitmproxy reuses it), check the host accepts one. A host that refuses is marked
         down and the request moves on (its lease with it) while crossbar can still answer;
-        nowhere left to go is crossbar's JSON error, not mitmproxy's 502 page. Returns the
-        settings of the host the request goes to."""
+        nowhere left to go is crossbar's JSON error, not mitmproxy's 502 page."""
         for _ in range(len(router.cfg.hosts)):
             conf = router.host_conf(ex.host)
             if (conf.host, conf.port) in self.rt.upstreams.get(flow.client_conn, ()):
-                return conf
+                return
             why = await preflight(conf.host, conf.port, router.cfg.connect_timeout)
             if why is None:
                 ex.checked = (conf.host, conf.port)
-                return conf
+                return
             router.passive_mark(ex.host, f"connect failed: {why}")
             try:
                 await router.move(ex, "connect failed", self.rt.gone_event(flow))
             except CrossbarError:
                 ex.err = f"{ex.host}: connect failed: {why}; no other host"
                 raise
-        return router.host_conf(ex.host)
 
-    def _forward(self, flow: http.HTTPFlow, ex: Exchange, router: Router, conf: HostConf) -> None:
-        """Send the request to its host (`conf`), in origin-form whatever form the client used;
-        the first-byte deadline is armed for that host."""
+    def _forward(self, flow: http.HTTPFlow, ex: Exchange, router: Router) -> None:
+        """Send the request to its host, in origin-form whatever form the client used; the
+        first-byte deadline is armed for that host. Its settings are read now: a reload during the
+        pre-flight's wait may have moved it (the connection to the new address is then checked
+        in `server_connect`)."""
+        conf = router.host_conf(ex.host)
         point_at(flow.request, conf.scheme, conf.host, conf.port, conf.base_path + ex.path)
         ex.forwarded = True
         router.sent(ex)
