@@ -304,36 +304,54 @@ def _scan_value(text: str, at: int) -> tuple[Any, int]:
 
 
 class Sink(Protocol):
-    def add(self, item: Any) -> None: ...
+    def extend(self, items: Sequence[Any]) -> None: ...
 
 
 def _scan_array(text: str, at: int, sink: Sink | None = None) -> tuple[Any, int]:
-    """The array that opens at text[at], one element per C call; with a `sink`, each element goes
-    to it (and is dropped: nothing piles up for the garbage collector) and the sink stands in for
-    the array."""
+    """The array that opens at text[at], one element per C call; with a `sink`, the elements go
+    to it _PACE_ITEMS at a time (and are dropped: nothing piles up for the garbage collector) and
+    the sink stands in for the array. What the sink refuses in an element is raised before any
+    error in the text after that element, as if it had been handed each one as it was read."""
     items: list[Any] = []
-    add = items.append if sink is None else sink.add
+    try:
+        at = _scan_items(text, at, items, sink)
+    except BaseException:
+        if sink is not None:
+            sink.extend(items)
+        raise
+    if sink is None:
+        return items, at
+    sink.extend(items)
+    return sink, at
+
+
+def _scan_items(text: str, at: int, items: list[Any], sink: Sink | None) -> int:
+    """`_scan_array`'s reading: where the array ends; its elements appended to `items` (with a
+    sink, handed to it and cleared every _PACE_ITEMS)."""
     scan, comma = _SCAN, _COMMA.match
     at = _WS.match(text, at + 1).end()
+    if text.startswith("]", at):
+        return at + 1
+    try:
+        while True:
+            item, at = scan(text, at)
+            items.append(item)
+            if len(items) % _PACE_ITEMS == 0:
+                if sink is not None:
+                    batch = items.copy()
+                    items.clear()  # handed over: on an error, `_scan_array` hands over only the rest
+                    sink.extend(batch)
+                _let_others_run()
+            separator = comma(text, at)
+            if separator is None:
+                break
+            at = separator.end()
+    except StopIteration as stop:
+        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+    at = _WS.match(text, at).end()
     if not text.startswith("]", at):
-        try:
-            count = 0
-            while True:
-                item, at = scan(text, at)
-                add(item)
-                count += 1
-                if count % _PACE_ITEMS == 0:
-                    _let_others_run()
-                separator = comma(text, at)
-                if separator is None:
-                    break
-                at = separator.end()
-        except StopIteration as stop:
-            raise json.JSONDecodeError("Expecting value", text, stop.value) from None
-        at = _WS.match(text, at).end()
-        if not text.startswith("]", at):
-            raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
-    return sink if sink is not None else items, at + 1
+        raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
+    return at + 1
 
 
 def _loads_piecewise(text: str, sinks: Mapping[str, Callable[[], Sink]] | None = None) -> Any:
@@ -469,12 +487,9 @@ class _ChatTally:
         self.system: bytes | None = None
         self.user: bytes | None = None
 
-    def add(self, message: Any) -> None:
-        """One message of a large body, as it is parsed."""
-        self.extend((message,))
-
     def extend(self, messages: Sequence[Any]) -> None:
-        # The running figures stay in locals for the loop: a body's whole list is one call.
+        """The next messages: a small body's whole list, or a large body's, a batch at a time as
+        it is parsed. The running figures stay in locals for the loop."""
         prompt_bytes, system, user = self.prompt_bytes, self.system, self.user
         for index, message in enumerate(messages, self.count):
             if not isinstance(message, dict):

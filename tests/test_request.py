@@ -749,6 +749,17 @@ def test_piecewise_parse_refuses_what_json_loads_refuses(text: str) -> None:
     assert exc.value.status == 400
 
 
+@pytest.mark.parametrize("after", [', {"role": "user", "content": "x"}] x', ", 1", "]", ", {]"])
+def test_a_large_bodys_bad_message_is_told_before_what_is_wrong_after_it(after: str) -> None:
+    """A large body's messages are tallied a batch at a time as it is parsed; a message refused
+    is still what the client hears about, before any fault in the text after it."""
+    good = ", ".join('{"role": "user", "content": "x"}' for _ in range(3))
+    raw = ('{"messages": [' + good + ', {"role": 5, "content": "x"}' + after + "}").encode()
+    with mock.patch("crossbar.request.OFF_LOOP_BYTES", 0), pytest.raises(CrossbarError) as exc:
+        peek_body(raw, CHAT, "", MIB, KEY)
+    assert (exc.value.status, exc.value.message) == (400, "messages[3].role must be a string")
+
+
 def test_large_body_peeks_like_a_small_one() -> None:
     messages = [{"role": "system", "content": "s"}]
     messages += [{"role": "user", "content": f"é {i}"} for i in range(70_000)]
