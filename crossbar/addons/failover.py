@@ -126,7 +126,7 @@ class Failover:
         except (CrossbarError, ClientGone):
             ex.err = f"{ex.host}: connect failed: {why}; no other host"
             return
-        self._forward(flow, ex, rt.router, rt.router.host_conf(ex.host))
+        self._forward(flow, ex, rt.router)
         data.server.address = (flow.request.host, flow.request.port)
         if flow.request.scheme == "https":
             data.server.sni = flow.request.host
