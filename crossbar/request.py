@@ -670,7 +670,7 @@ _OUTER_PAD = bytes(x ^ 0x5C for x in range(256))  # HMAC's opad
 
 @lru_cache(maxsize=4)
 def _keyed(key: bytes) -> tuple[Sha256, Sha256]:
-    """HMAC-SHA-256 (RFC 2104) under `key`, as its inner SHA-256 state (after the padded key and
+    """HMAC-SHA-256 under `key`, as its inner SHA-256 state (after the padded key and
     the domain) and its outer one (after the padded key): copied per fingerprint, not keyed again.
     This is `hmac.new(key, _FP_DOMAIN, hashlib.sha256)` taken apart: copying and finishing two
     SHA-256 states takes about 40 % less time than copying and finishing an `hmac.HMAC`, whose
