@@ -17,8 +17,7 @@ def values(headers: http.Headers, name: bytes) -> list[str]:
 
 def value[D](headers: http.Headers, name: bytes, default: D) -> str | D:
     """`headers.get(name, default)`: the values joined by ", ", or `default` when there are none."""
-    # the comprehension of `values`, inline: a lookup is one call
-    found = [value.decode("utf-8", "surrogateescape") for key, value in headers.fields if key.lower() == name]
+    found = values(headers, name)
     return ", ".join(found) if found else default
 
 

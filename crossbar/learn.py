@@ -45,7 +45,11 @@ def _rate(timings: Mapping[str, Any], per_second: str, n: float | None, ms: str)
     else tokens over the reported milliseconds."""
     if per_second in timings or n is None:
         return _figure(timings, per_second, MAX_TPS)
-    millis = _figure(timings, ms, MAX_TOKENS * 1e3)
+    return _per_second(n, _figure(timings, ms, MAX_TOKENS * 1e3))
+
+
+def _per_second(n: float, millis: float | None) -> float | None:
+    """Tokens per second of `n` tokens over `millis` ms (None without a time), within MAX_TPS."""
     return min(n / millis * 1e3, MAX_TPS) if millis else None
 
 
@@ -136,9 +140,8 @@ class RateLearner:
         prompt_n = None if evaluated is None or evaluated > MAX_TOKENS else float(evaluated)
         predicted_n = None if generated is None or generated > MAX_TOKENS else float(generated)
         cache_n = None if cached is None or cached > MAX_TOKENS else float(cached)
-        prompt_ms, gen_ms = usage.prompt_ms, usage.predicted_ms
-        prompt_tps = min(prompt_n / prompt_ms * 1e3, MAX_TPS) if prompt_n is not None and prompt_ms else None
-        gen_tps = min(predicted_n / gen_ms * 1e3, MAX_TPS) if predicted_n is not None and gen_ms else None
+        prompt_tps = None if prompt_n is None else _per_second(prompt_n, usage.prompt_ms)
+        gen_tps = None if predicted_n is None else _per_second(predicted_n, usage.predicted_ms)
         self._learn(host, model, prompt_n, predicted_n, cache_n, prompt_tps, gen_tps, conversation)
 
     def _learn(self, host: str, model: str, prompt_n: float | None, predicted_n: float | None,

@@ -304,8 +304,7 @@ class RequestFramer:
         if data[:1] in (b"\r", b"\n"):
             return False
         end = _head_end(data, 0, self.max_head + 4)
-        head = data[:end]
-        if end < 0 or end > self.max_head or has_folded_line(head):
+        if end < 0 or end > self.max_head or has_folded_line(head := data[:end]):
             return False
         kind, length = body_framing(head)
         if not ((kind == HEAD and end == len(data)) or (kind == LENGTH and end + length == len(data)

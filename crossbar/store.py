@@ -590,10 +590,7 @@ class Store:
         (absent ones take their defaults). A row with values that cannot be stored is counted as
         dropped, never raised."""
         try:
-            if type(row) is tuple and _usual(row):  # nearly every row: enqueued as it is given
-                values, bad = row, 0
-            else:
-                values, bad = _request_values(row, self.clock())
+            values, bad = _request_values(row, self.clock())
         except (TypeError, ValueError, OverflowError) as exc:
             log.warning("store: request row not recorded: %s", exc)
             self._queue.count_dropped()
