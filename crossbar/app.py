@@ -21,6 +21,7 @@ from functools import partial
 from crossbar import errors
 from crossbar.choose import Candidate
 from crossbar.config import Config, HostConf, RouteConf
+from crossbar.deadlines import Deadlines
 from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.exchange import Exchange
 from crossbar.fleetwide import FLEET_SLOT_WAIT, Fleetwide
@@ -69,6 +70,7 @@ class Router:
                              self._on_poll_round, self.limiter.usage)
         self.estimator = TokenEstimator()
         self.learner = RateLearner(time.monotonic)  # rates and reply lengths, from replies' timings
+        self.deadlines = Deadlines()  # the requests' first-byte deadlines
         self.meter = BusyMeter(time.monotonic)  # how busy each host has been lately
         # (host, slot key) → the requests running there upstream, and when each was sent
         self._upstream: dict[tuple[str, str], dict[Exchange, float]] = {}

@@ -7,13 +7,13 @@ which runs exactly once whatever happened (answer, error, client gone, a hook th
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crossbar.config import RouteConf
+from crossbar.deadlines import Deadlines
 from crossbar.decisions import Decision
 from crossbar.lease import Key
 from crossbar.limiter import Ticket
@@ -54,7 +54,7 @@ class Exchange:
     sent_to: tuple[str, str] | None = None  # (host, slot key) it runs on upstream, while it runs
     yielded: bool = False  # left a queue to yield elsewhere (a turn yields at most once)
     finished: bool = False
-    deadline: asyncio.TimerHandle | None = None  # first-byte timeout
+    deadline: tuple[Deadlines, int] | None = None  # first-byte timeout: where it is armed
     _release_ticket: Callable[[Ticket], None] | None = field(default=None, repr=False)
     _cleanups: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
@@ -78,17 +78,19 @@ class Exchange:
         if ticket is not None and release is not None:
             release(ticket)
 
-    def arm_deadline(self, delay: float, overdue: Callable[[str], None]) -> None:
+    def arm_deadline(self, deadlines: Deadlines, delay: float, overdue: Callable[[str], None]) -> None:
         """Call `overdue(host)` unless a first byte arrives within `delay`; re-arming replaces it,
         so the timer always names the host the request was last sent to."""
         if self.deadline is not None:
-            self.deadline.cancel()
-        self.deadline = asyncio.get_running_loop().call_later(delay, overdue, self.host)
+            self.cancel_deadline()
+        host = self.host
+        self.deadline = deadlines, deadlines.arm(self, delay, lambda: overdue(host))
 
     def cancel_deadline(self) -> None:
         if self.deadline is not None:
-            self.deadline.cancel()
+            deadlines, due = self.deadline
             self.deadline = None
+            deadlines.cancel(self, due)
 
     def end(self) -> bool:
         """Give back everything the request holds; True the first time, False after."""

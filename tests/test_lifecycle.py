@@ -384,14 +384,16 @@ async def test_the_first_byte_timer_names_the_host_it_was_armed_for() -> None:
     """A request moved after its timer was armed (a refused server_connect, then a queue) must
     not have the old timer blame its new host."""
     from crossbar.config import RouteConf
+    from crossbar.deadlines import Deadlines
     from crossbar.exchange import Exchange
     from crossbar.lease import Key
 
     fired: list[str] = []
     ex = Exchange(route=RouteConf("r", ("a", "b")), key=Key("r", "", "m"), path="/v1/chat/completions",
                   completion=True, host="a")
-    ex.arm_deadline(0.05, fired.append)
+    deadlines = Deadlines(tick=0.01)
+    ex.arm_deadline(deadlines, 0.05, fired.append)
     ex.host = "b"  # moved: re-armed when it is sent again
-    ex.arm_deadline(0.05, fired.append)
+    ex.arm_deadline(deadlines, 0.05, fired.append)
     await asyncio.sleep(0.2)
     assert fired == ["b"]

@@ -90,7 +90,8 @@ class Failover:
         point_at(flow.request, conf.scheme, conf.host, conf.port, conf.base_path + ex.path)
         ex.forwarded = True
         router.sent(ex)
-        ex.arm_deadline(router.cfg.first_byte_timeout, lambda host: self._first_byte_overdue(flow, host))
+        ex.arm_deadline(router.deadlines, router.cfg.first_byte_timeout,
+                        lambda host: self._first_byte_overdue(flow, host))
 
     def _first_byte_overdue(self, flow: http.HTTPFlow, host: str) -> None:
         """The host accepted the request but sent nothing for `first_byte_timeout`: close its
