@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from crossbar.config import RouteConf
 from crossbar.deadlines import Deadlines
@@ -81,10 +82,8 @@ class Exchange:
     def arm_deadline(self, deadlines: Deadlines, delay: float, overdue: Callable[[str], None]) -> None:
         """Call `overdue(host)` unless a first byte arrives within `delay`; re-arming replaces it,
         so the timer always names the host the request was last sent to."""
-        if self.deadline is not None:
-            self.cancel_deadline()
-        host = self.host
-        self.deadline = deadlines, deadlines.arm(self, delay, lambda: overdue(host))
+        self.cancel_deadline()
+        self.deadline = deadlines, deadlines.arm(self, delay, partial(overdue, self.host))
 
     def cancel_deadline(self) -> None:
         if self.deadline is not None:
