@@ -1,6 +1,6 @@
 """Requests per second and CPU per request of two crossbar trees and bare mitmdump, side by side.
 
-    .venv/bin/python bench/rps_ab.py OTHER_TREE [--windows N] [--pin] [--out FILE.json]
+    .venv/bin/python bench/rps_ab.py OTHER_TREE [--windows N] [--pin] [--replicas K] [--out FILE.json]
 
 OTHER_TREE is another checkout of crossbar (say `git worktree add /tmp/before <commit>`); it runs
 from this tree's virtualenv. The load is the pressure section's (16 keep-alive clients, small
@@ -13,6 +13,11 @@ mitmdump's (user + system of all its threads, from /proc). Every process it star
 `--pin` runs the proxies on the last CPU and the load and the simulated host on the others (with
 `taskset`), so that the proxy under load has a CPU of its own and is what limits the rate; without
 it the scheduler places every process, and a proxy may share a CPU with the load or the host.
+
+`--replicas K` starts K processes of each proxy and compares, round by round, the mean of each
+kind's K windows. One process's rate depends on its luck (string hashing is seeded per process,
+and where its objects land in memory), by a few per cent either way between two starts of the
+same tree; the mean of several starts moves less, so a change of one or two per cent shows.
 """
 
 from __future__ import annotations
@@ -48,33 +53,45 @@ def split_cpus(available: set[int]) -> tuple[set[int], set[int]]:
     return {last}, available - {last}
 
 
-async def measure(other: Path, windows: int, proxy_cpus: set[int] | None = None) -> dict[str, Any]:
+async def measure(other: Path, windows: int, proxy_cpus: set[int] | None = None,
+                  replicas: int = 1) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        host_port, bare_port, this_port, other_port = (bench.free_port() for _ in range(4))
+        host_port = bench.free_port()
 
         def config(name: str, port: int) -> Path:
             return bench.write_crossbar_toml(workdir / f"{name}.toml", port, workdir / f"{name}.db",
                                              {"fast": host_port}, "bench", poll_interval="30s",
                                              parallel=bench.RPS_CLIENTS)
 
-        this_cfg, other_cfg = config("this", this_port), config("other", other_port)
         async with contextlib.AsyncExitStack() as stack:
             host_cmd = bench.sim_cmd(host_port, 0.0, 1, slots=bench.RPS_CLIENTS)
             await stack.enter_async_context(bench.running("host", host_cmd, workdir, host_port, "/health"))
-            bare_cmd = pinned(bench.bare_mitmdump_cmd({bare_port: host_port}, this_cfg), proxy_cpus)
-            bare = await stack.enter_async_context(bench.running("mitmdump", bare_cmd, workdir, bare_port,
-                                                                 "/health"))
-            this = await stack.enter_async_context(bench.running(
-                "this", pinned(bench.crossbar_cmd(this_cfg), proxy_cpus), workdir, this_port,
-                "/_crossbar/hosts"))
-            that = await stack.enter_async_context(bench.running(
-                "other", pinned(bench.crossbar_cmd(other_cfg, other), proxy_cpus), workdir, other_port,
-                "/_crossbar/hosts"))
-            proxies = [bench.Proxy("mitmdump", bare, bare_port, bench.CHAT, bare_port, ""),
-                       bench.Proxy("this", this, this_port, "", this_port, "/bench"),
-                       bench.Proxy("other", that, other_port, "", other_port, "/bench")]
+            proxies: list[bench.Proxy] = []
+            for n in range(replicas):
+                bare_port, this_port, other_port = (bench.free_port() for _ in range(3))
+                this_cfg, other_cfg = config(f"this{n}", this_port), config(f"other{n}", other_port)
+                bare_cmd = pinned(bench.bare_mitmdump_cmd({bare_port: host_port}, this_cfg), proxy_cpus)
+                bare = await stack.enter_async_context(bench.running(
+                    f"mitmdump{n}", bare_cmd, workdir, bare_port, "/health"))
+                this = await stack.enter_async_context(bench.running(
+                    f"this{n}", pinned(bench.crossbar_cmd(this_cfg), proxy_cpus), workdir, this_port,
+                    "/_crossbar/hosts"))
+                that = await stack.enter_async_context(bench.running(
+                    f"other{n}", pinned(bench.crossbar_cmd(other_cfg, other), proxy_cpus), workdir,
+                    other_port, "/_crossbar/hosts"))
+                proxies += [bench.Proxy(f"mitmdump#{n}", bare, bare_port, bench.CHAT, bare_port, ""),
+                            bench.Proxy(f"this#{n}", this, this_port, "", this_port, "/bench"),
+                            bench.Proxy(f"other#{n}", that, other_port, "", other_port, "/bench")]
             return await rounds(proxies, windows)
+
+
+def by_kind(figures: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per kind ("mitmdump", "this", "other"), each round's mean over the kind's replicas."""
+    kinds: dict[str, list[list[float]]] = {}
+    for name, values in figures.items():
+        kinds.setdefault(name.partition("#")[0], []).append(values)
+    return {kind: [sum(r) / len(r) for r in zip(*replicas, strict=True)] for kind, replicas in kinds.items()}
 
 
 async def rounds(proxies: Sequence[bench.Proxy], windows: int) -> dict[str, Any]:
@@ -83,12 +100,14 @@ async def rounds(proxies: Sequence[bench.Proxy], windows: int) -> dict[str, Any]
     w = await bench.rotating_windows(proxies, windows, 1.0)
     if failed := {name: n for name, n in w.errors.items() if n}:
         raise RuntimeError(f"requests failed: {failed}")
-    result: dict[str, Any] = {"windows": windows, "rps": w.rps, "cpu_us_per_request": w.cpu_us}
+    rps, cpu_us = by_kind(w.rps), by_kind(w.cpu_us)
+    result: dict[str, Any] = {"windows": windows, "replicas": len(proxies) // 3, "rps": w.rps,
+                              "cpu_us_per_request": w.cpu_us}
     for name in ("this", "other"):
-        result[name] = {"rps_ratio": bench.pair_ratio(w.rps[name], w.rps["mitmdump"]),
-                        "cpu_ratio": bench.pair_ratio(w.cpu_us[name], w.cpu_us["mitmdump"]),
-                        "cpu_us_per_request": bench.pct(w.cpu_us[name], 50)}
-    result["mitmdump"] = {"cpu_us_per_request": bench.pct(w.cpu_us["mitmdump"], 50)}
+        result[name] = {"rps_ratio": bench.pair_ratio(rps[name], rps["mitmdump"]),
+                        "cpu_ratio": bench.pair_ratio(cpu_us[name], cpu_us["mitmdump"]),
+                        "cpu_us_per_request": bench.pct(cpu_us[name], 50)}
+    result["mitmdump"] = {"cpu_us_per_request": bench.pct(cpu_us["mitmdump"], 50)}
     return result
 
 
@@ -109,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=15, help="1 s windows per proxy (default 15)")
     parser.add_argument("--pin", action="store_true",
                         help="proxies on the last CPU, the load and the simulated host on the others")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="processes of each proxy, averaged round by round (default 1)")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON")
     args = parser.parse_args(argv)
     other = args.other.resolve()
@@ -124,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(exc))
         os.sched_setaffinity(0, load_cpus)  # this process (the load) and the simulated host it starts
     signal.signal(signal.SIGTERM, bench._sigterm)  # unwinds, so every process started is stopped
-    result = asyncio.run(measure(other, args.windows, proxy_cpus))
+    result = asyncio.run(measure(other, args.windows, proxy_cpus, max(1, args.replicas)))
     result["pinned"] = proxy_cpus is not None
     print(table(result, other))
     if args.out:

@@ -61,6 +61,7 @@ class Admin:
 
     async def handle(self, method: str, target: str, headers: Mapping[str, str], body: bytes) -> Reply:
         path, _, query = target.partition("?")
+        self.router.account_finished()  # every finished request is in what this answers
         try:
             args = parse_qs(query, keep_blank_values=True)  # `since=` is a mistake, not the default
             return await self._dispatch(method, path[len(PREFIX):] or "/", args, headers, body)

@@ -43,6 +43,11 @@ from crossbar.yieldpolicy import HostLoad
 log = logging.getLogger("crossbar")
 
 OTHER = "other"  # metrics label of a model no host's config lists
+# Finished requests are accounted (row, metrics) together, at most this long after they end and
+# at most this many at a time: one pass over many requests costs the event loop less than one
+# pass each. What placement reads (learned token and generation rates) is learned at once.
+ACCOUNT_EVERY = 0.05
+ACCOUNT_BATCH = 1000
 
 
 class Yielded(Exception):
@@ -84,6 +89,8 @@ class Router:
         self._reloaded = False  # a configuration was reloaded since start
         self.fleetwide: Fleetwide | None = None  # set by open() when the database is PostgreSQL
         self.metrics.add_live(CounterCollector(self._store_figures))
+        self._unaccounted: list[Exchange] = []  # finished, row and metrics not yet made
+        self._account_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -125,6 +132,7 @@ class Router:
         return not self.live
 
     async def close(self) -> None:
+        self.account_finished()
         if self._housekeeping:
             self._housekeeping.cancel()
         if self.fleetwide is not None:
@@ -139,6 +147,7 @@ class Router:
         their host (a removed host's settings stay until they end); leases whose host the new
         configuration takes away are dropped (placed anew at their next turn); what was learned
         about the hosts that stay is kept. Returns how many leases were dropped."""
+        self.account_finished()  # labels of the old configuration for the requests that ended under it
         now = time.time()
         old, self.cfg, self._reloaded = self.cfg, new, True
         for name in (*change.hosts_removed, *self.fleet.reconfigure(new.hosts)):
@@ -618,15 +627,51 @@ class Router:
         self.metrics.rejected.inc((str(reason),))
 
     def finish(self, ex: Exchange) -> None:
-        """The request's one ending: its row and metrics, then everything it held is given back.
-        Runs once; the release runs even when accounting raises."""
+        """The request's one ending: what placement learns from it at once, its row and metrics
+        soon (`account_finished`), then everything it held is given back. Runs once; the release
+        runs even when learning raises."""
         if ex.finished:
             return
         try:
             if ex.completion:
-                self._account(ex)
+                ex.total_ms = ex.elapsed_ms()
+                self._account_soon(ex)
+                self._learn(ex)
         finally:
             ex.end()
+
+    def _learn(self, ex: Exchange) -> None:
+        u = ex.usage
+        if u is not None:
+            host, model = ex.host or "", ex.key.model
+            self.estimator.learn(host, model, ex.path, ex.prompt_bytes, u.prompt_tokens)
+            self.learner.observe_usage(host, model, u, conversation=ex.key)
+
+    def _account_soon(self, ex: Exchange) -> None:
+        pending = self._unaccounted
+        pending.append(ex)
+        if len(pending) >= ACCOUNT_BATCH:
+            self.account_finished()
+        elif self._account_timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop to come back on (a synchronous caller): account now
+                self.account_finished()
+                return
+            self._account_timer = loop.call_later(ACCOUNT_EVERY, self.account_finished)
+
+    def account_finished(self) -> None:
+        """Make the rows and metrics of every request finished so far. Readers of rows or metrics
+        (the admin API, a reload, closing) call it first, so they never see a request missing."""
+        if self._account_timer is not None:
+            self._account_timer.cancel()
+            self._account_timer = None
+        batch, self._unaccounted = self._unaccounted, []
+        for ex in batch:
+            try:
+                self._account(ex)
+            except Exception:  # one bad request must not cost the others their rows
+                log.exception("crossbar: accounting a finished request failed")
 
     def _account(self, ex: Exchange) -> None:
         self.store.record_request(ex.row())
@@ -639,9 +684,6 @@ class Router:
         u: Usage | None = ex.usage
         if u is None:
             return
-        model = ex.key.model
-        self.estimator.learn(host, model, ex.path, ex.prompt_bytes, u.prompt_tokens)
-        self.learner.observe_usage(host, model, u, conversation=ex.key)
         if u.dropped:
             log.warning("%s reported %d usage figure(s) out of range; stored as unknown", host, u.dropped)
             m.usage_dropped.inc((host,), u.dropped)
@@ -653,7 +695,7 @@ class Router:
             m.tokens.inc((route, host, "completion"), u.completion_tokens)
         tokens_per_second = u.tokens_per_second
         if tokens_per_second:
-            m.generation_tps.observe((host, self.model_label(model)), tokens_per_second)
+            m.generation_tps.observe((host, self.model_label(ex.key.model)), tokens_per_second)
 
     def route_label(self, route: RouteConf) -> str:
         """A route made from a template is labelled by its template: labels come from the

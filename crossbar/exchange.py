@@ -43,6 +43,7 @@ class Exchange:
     ticket: Ticket | None = None
     queued_ms: int = 0
     ttfb_ms: int | None = None  # when the client got (or would get) its first byte
+    total_ms: int | None = None  # fixed when it finished (its row may be made a little later)
     tap: SSETap | None = None
     usage: Usage | None = None
     status: int | None = None
@@ -120,6 +121,7 @@ class Exchange:
         """The `requests` row, its values in REQUEST_COLUMNS order. Absent token figures stay None
         (NULL), never 0."""
         key, u, decision = self.key, self.usage or _NO_USAGE, self.decision
+        total_ms = self.elapsed_ms() if self.total_ms is None else self.total_ms
         return (key.route, key.fp, key.model, self.host or None, self.started, self.queued_ms, self.ttfb_ms,
-                self.elapsed_ms(), self.status, self.stream, u.prompt_tokens, u.cached_tokens,
+                total_ms, self.status, self.stream, u.prompt_tokens, u.cached_tokens,
                 u.completion_tokens, self.err, str(decision) if decision else None)

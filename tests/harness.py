@@ -277,11 +277,16 @@ async def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.0
         await asyncio.sleep(interval)
 
 
+async def committed(proxy: Proxy) -> bool:
+    """Account every finished request and wait for the store's writer to commit what it holds."""
+    proxy.router.account_finished()
+    return await asyncio.to_thread(proxy.router.store.flush)
+
+
 async def request_rows(proxy: Proxy) -> list[Any]:
     """Every `requests` row, after the store's background writer has caught up."""
-    store = proxy.router.store
-    await asyncio.to_thread(store.flush)
-    return await asyncio.to_thread(store.requests_since, 0)
+    await committed(proxy)
+    return await asyncio.to_thread(proxy.router.store.requests_since, 0)
 
 
 async def lease_event_rows(proxy: Proxy) -> list[Any]:

@@ -21,6 +21,7 @@ from harness import (
     Fleet,
     HostSpec,
     Proxy,
+    committed,
     conversation,
     crossbar_proxy,
     is_error_shape,
@@ -61,7 +62,7 @@ async def usage(proxy: Proxy, query: str = "", accept: str = "application/json")
 
 
 async def usage_rows(proxy: Proxy, by: str, since: str = "24h") -> dict[str, dict[str, Any]]:
-    await asyncio.to_thread(proxy.router.store.flush)
+    await committed(proxy)
     status, rows = await usage(proxy, f"?by={by}&since={since}")
     assert status == 200, rows
     return {row["key"]: row for row in rows}
@@ -78,7 +79,7 @@ async def test_usage_shapes_since_and_by(tmp_path: Path) -> None:
     async with setup(tmp_path, {"a": host(), "b": host()}) as (_, proxy):
         async with aiohttp.ClientSession() as s:
             told = [await send_turn(s, proxy.url, "r", m) for m in conversation("shape", 3)]
-        await asyncio.to_thread(proxy.router.store.flush)
+        await committed(proxy)
 
         status, rows = await usage(proxy)  # defaults: by=route, since=24h
         assert status == 200 and [list(row) for row in rows] == [USAGE_KEYS]

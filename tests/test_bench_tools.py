@@ -108,3 +108,9 @@ def test_the_counting_script_takes_a_second_start_and_a_stop_without_one(tmp_pat
     counter.start()
     counter.start()
     assert counter.stop() == {"calls": {}, "lines": {}}
+
+
+def test_replicas_are_averaged_round_by_round_per_kind() -> None:
+    figures = {"mitmdump#0": [10.0, 20.0], "this#0": [8.0, 18.0], "mitmdump#1": [12.0, 22.0],
+               "this#1": [10.0, 20.0]}
+    assert rps_ab.by_kind(figures) == {"mitmdump": [11.0, 21.0], "this": [9.0, 19.0]}

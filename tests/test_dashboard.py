@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from harness import HostSpec, Proxy, conversation, crossbar_proxy, sim_fleet, write_config
+from harness import HostSpec, Proxy, committed, conversation, crossbar_proxy, sim_fleet, write_config
 
 from crossbar.session import session_fp
 from llamasim import SimConfig
@@ -224,7 +224,7 @@ async def test_dashboard_shows_hosts_then_leases_and_usage_after_traffic(tmp_pat
             await chat(proxy, "webapp", turn)
         await chat(proxy, "odd", conversation("xss", 1)[0])
         await chat(proxy, "webapp", conversation("named", 1)[0], headers={"x-session-id": "ses_dash"})
-        await asyncio.to_thread(proxy.router.store.flush)
+        await committed(proxy)
 
         dom = await rendered_dom(proxy, tmp_path)
         after = Tables(dom)
@@ -270,7 +270,7 @@ async def test_screenshot(tmp_path: Path) -> None:
         for i in range(3):
             for turn in conversation(f"shot{i}", 2):
                 await chat(proxy, "webapp", turn)
-        await asyncio.to_thread(proxy.router.store.flush)
+        await committed(proxy)
         await run_chromium(proxy.url + "/_crossbar/", tmp_path / "profile", f"--screenshot={shot}",
                            "--window-size=1280,900")
     assert shot.stat().st_size > 10_000

@@ -28,6 +28,7 @@ import pytest
 from harness import (
     HostSpec,
     Proxy,
+    committed,
     completion_count,
     conversation,
     crossbar_proxy,
@@ -400,7 +401,7 @@ async def test_a_failing_database_never_stops_proxying(
         tmp_path: Path, fault: Callable[[Path], AbstractContextManager[None]]) -> None:
     async with fleet_and_proxy(tmp_path, names=("a",), poll_interval="60s") as (fleet, proxy):
         db = Path(proxy.router.cfg.db)
-        await asyncio.to_thread(proxy.router.store.flush)
+        await committed(proxy)
         with fault(db):
             await serve_while_broken(proxy, 4)
             await wait_until(lambda: proxy.router.store.errors > 0, timeout=20, what="a failed write")
@@ -442,7 +443,7 @@ async def test_a_full_disk(tmp_path: Path) -> None:
     with tiny_tmpfs(tmp_path / "disk", "2m") as disk:
         async with fleet_and_proxy(tmp_path, names=("a",), poll_interval="60s",
                                    db=str(disk / "crossbar.db")) as (fleet, proxy):
-            await asyncio.to_thread(proxy.router.store.flush)
+            await committed(proxy)
             filler = fill(disk)
             try:
                 await serve_while_broken(proxy, 6)

@@ -56,6 +56,7 @@ class Rig:
         await self.hook("error", flow)
 
     async def rows(self) -> list[Any]:
+        self.router.account_finished()
         await asyncio.to_thread(self.router.store.flush)
         return await asyncio.to_thread(self.router.store.requests_since, 0)
 

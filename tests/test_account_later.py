@@ -1,0 +1,156 @@
+"""A finished request's row and metrics are made together with the others that finished within
+`ACCOUNT_EVERY` (one pass over many costs the event loop less than one pass each), while what
+placement reads from it is learned at once; nothing that reads rows or metrics ever sees a
+finished request missing, and one request that cannot be accounted costs no other its row."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from crossbar import app
+from crossbar.admin import Admin
+from crossbar.app import Router
+from crossbar.config import parse_config
+from crossbar.exchange import Exchange
+from crossbar.lease import Key
+from crossbar.reload import plan_reload
+from crossbar.tap import Usage
+
+CHAT = "/v1/chat/completions"
+
+
+def raw(db: Path, *routes: str) -> dict[str, Any]:
+    return {
+        "listen": "127.0.0.1:7777", "db": str(db),
+        "hosts": {"a": {"base_url": "http://127.0.0.1:18081", "models": ["m"]}},
+        "routes": {name: {"hosts": ["a"], "default_model": "m"} for name in routes or ("r",)},
+    }
+
+
+@contextlib.contextmanager
+def router(tmp_path: Path, *routes: str) -> Iterator[Router]:
+    r = Router(parse_config(raw(tmp_path / "crossbar.db", *routes)))
+    r.open()
+    try:
+        yield r
+    finally:
+        r.store.close()
+
+
+def finished(r: Router, fp: str = "f", usage: Usage | None = None, route: str = "r") -> Exchange:
+    ex = Exchange(r.cfg.routes[route], Key(route, fp, "m"), CHAT, completion=True, host="a", status=200,
+                  prompt_bytes=4000, usage=usage)
+    r.finish(ex)
+    return ex
+
+
+def rows(r: Router) -> list[Any]:
+    r.store.flush()
+    return r.store.requests_since(0)
+
+
+def counted(r: Router) -> float:
+    return sum(s.value for family in r.metrics.requests.collect() for s in family.samples
+               if s.name.endswith("_total"))
+
+
+async def test_requests_that_end_together_are_accounted_together_soon_after(tmp_path: Path) -> None:
+    with router(tmp_path) as r:
+        for i in range(3):
+            finished(r, f"f{i}")
+        assert counted(r) == 0 and r.store.requests_since(0) == []  # none accounted one by one
+        await asyncio.sleep(app.ACCOUNT_EVERY * 3)
+        assert counted(r) == 3
+        assert sorted(row.fp for row in rows(r)) == ["f0", "f1", "f2"]
+        r.account_finished()  # nothing is accounted twice
+        assert counted(r) == 3 and len(rows(r)) == 3
+
+
+def test_without_a_running_loop_a_request_is_accounted_at_once(tmp_path: Path) -> None:
+    with router(tmp_path) as r:
+        finished(r)
+        assert counted(r) == 1 and len(rows(r)) == 1
+
+
+async def test_a_full_batch_is_accounted_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(app, "ACCOUNT_BATCH", 4)
+    with router(tmp_path) as r:
+        for i in range(3):
+            finished(r, f"f{i}")
+        assert counted(r) == 0
+        finished(r, "f3")
+        assert counted(r) == 4  # no timer needed: the batch is bounded
+
+
+async def test_placement_learns_from_a_reply_at_once(tmp_path: Path) -> None:
+    with router(tmp_path) as r:
+        assert r.estimator.ratio("a", "m") is None
+        finished(r, usage=Usage(prompt_tokens=1000, completion_tokens=10))
+        assert r.estimator.ratio("a", "m") is not None  # before its row is made
+        assert counted(r) == 0
+
+
+async def test_the_time_in_the_row_is_the_time_it_finished(tmp_path: Path) -> None:
+    with router(tmp_path) as r:
+        ex = Exchange(r.cfg.routes["r"], Key("r", "f", "m"), CHAT, completion=True, host="a", status=200,
+                      t0=time.monotonic() - 0.2)
+        r.finish(ex)
+        await asyncio.sleep(0.3)
+        r.account_finished()
+        (row,) = rows(r)
+        assert 200 <= row.total_ms < 400  # not the 500 ms it would be, counted at accounting time
+
+
+async def test_one_request_that_cannot_be_accounted_costs_no_other_its_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    with router(tmp_path) as r:
+        exs = [finished(r, f"f{i}") for i in range(3)]
+        real_row = Exchange.row
+
+        def row(ex: Exchange) -> Any:
+            if ex is exs[1]:
+                raise RuntimeError("boom")
+            return real_row(ex)
+
+        monkeypatch.setattr(Exchange, "row", row)
+        r.account_finished()
+        assert sorted(row.fp for row in rows(r)) == ["f0", "f2"]
+        assert "accounting a finished request failed" in caplog.text
+        assert all(ex.finished for ex in exs)
+
+
+async def test_the_admin_api_answers_with_every_finished_request(tmp_path: Path) -> None:
+    with router(tmp_path) as r:
+        finished(r)
+        reply = await Admin(r).handle("GET", "/_crossbar/metrics", {}, b"")
+        assert b'crossbar_requests_total{host="a",route="r",status="200"} 1.0' in reply.body
+
+
+async def test_closing_accounts_what_finished_before_it(tmp_path: Path) -> None:
+    r = Router(parse_config(raw(tmp_path / "crossbar.db")))
+    r.open()
+    finished(r)
+    await r.close()
+    reopened = Router(parse_config(raw(tmp_path / "crossbar.db")))
+    reopened.open()
+    try:
+        assert len(reopened.store.requests_since(0)) == 1
+    finally:
+        reopened.store.close()
+
+
+async def test_a_reload_labels_what_ended_before_it_by_the_old_routes(tmp_path: Path) -> None:
+    with router(tmp_path, "r", "s") as r:
+        finished(r, route="s")
+        new = parse_config(raw(tmp_path / "crossbar.db", "r"))
+        r.reconfigure(new, plan_reload(r.cfg, new))
+        r.account_finished()
+        labels = {s.labels["route"] for family in r.metrics.requests.collect() for s in family.samples}
+        assert labels == {"s"}  # under the new config, route "s" would be labelled "other"
