@@ -17,7 +17,10 @@ it the scheduler places every process, and a proxy may share a CPU with the load
 `--replicas K` starts K processes of each proxy and compares, round by round, the mean of each
 kind's K windows. One process's rate depends on its luck (string hashing is seeded per process,
 and where its objects land in memory), by a few per cent either way between two starts of the
-same tree; the mean of several starts moves less, so a change of one or two per cent shows.
+same tree; the mean of several starts moves less. The two trees swap places in every other
+replica: a window is slowed by the work the proxy measured just before it left behind (crossbar
+commits its rows after a window ends), and with one tree always measured after the other, two
+copies of the same tree came out 0.036 apart. Give an even K.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def split_cpus(available: set[int]) -> tuple[set[int], set[int]]:
 
 
 async def measure(other: Path, windows: int, proxy_cpus: set[int] | None = None,
-                  replicas: int = 1) -> dict[str, Any]:
+                  replicas: int = 1, seconds: float = 1.0) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         host_port = bench.free_port()
@@ -80,10 +83,11 @@ async def measure(other: Path, windows: int, proxy_cpus: set[int] | None = None,
                 that = await stack.enter_async_context(bench.running(
                     f"other{n}", pinned(bench.crossbar_cmd(other_cfg, other), proxy_cpus), workdir,
                     other_port, "/_crossbar/hosts"))
+                trees = [bench.Proxy(f"this#{n}", this, this_port, "", this_port, "/bench"),
+                         bench.Proxy(f"other#{n}", that, other_port, "", other_port, "/bench")]
                 proxies += [bench.Proxy(f"mitmdump#{n}", bare, bare_port, bench.CHAT, bare_port, ""),
-                            bench.Proxy(f"this#{n}", this, this_port, "", this_port, "/bench"),
-                            bench.Proxy(f"other#{n}", that, other_port, "", other_port, "/bench")]
-            return await rounds(proxies, windows)
+                            *(trees if n % 2 == 0 else reversed(trees))]
+            return await rounds(proxies, windows, seconds)
 
 
 def by_kind(figures: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -94,10 +98,10 @@ def by_kind(figures: dict[str, list[float]]) -> dict[str, list[float]]:
     return {kind: [sum(r) / len(r) for r in zip(*replicas, strict=True)] for kind, replicas in kinds.items()}
 
 
-async def rounds(proxies: Sequence[bench.Proxy], windows: int) -> dict[str, Any]:
+async def rounds(proxies: Sequence[bench.Proxy], windows: int, seconds: float = 1.0) -> dict[str, Any]:
     for proxy in proxies:  # warm-up
         await bench.rps_window(proxy, 0.5)
-    w = await bench.rotating_windows(proxies, windows, 1.0)
+    w = await bench.rotating_windows(proxies, windows, seconds)
     if failed := {name: n for name, n in w.errors.items() if n}:
         raise RuntimeError(f"requests failed: {failed}")
     rps, cpu_us = by_kind(w.rps), by_kind(w.cpu_us)
@@ -128,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=15, help="1 s windows per proxy (default 15)")
     parser.add_argument("--pin", action="store_true",
                         help="proxies on the last CPU, the load and the simulated host on the others")
+    parser.add_argument("--seconds", type=float, default=1.0, help="length of a window (default 1 s)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="processes of each proxy, averaged round by round (default 1)")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON")
@@ -145,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(exc))
         os.sched_setaffinity(0, load_cpus)  # this process (the load) and the simulated host it starts
     signal.signal(signal.SIGTERM, bench._sigterm)  # unwinds, so every process started is stopped
-    result = asyncio.run(measure(other, args.windows, proxy_cpus, max(1, args.replicas)))
+    result = asyncio.run(measure(other, args.windows, proxy_cpus, max(1, args.replicas), args.seconds))
     result["pinned"] = proxy_cpus is not None
     print(table(result, other))
     if args.out:
