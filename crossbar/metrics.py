@@ -1,6 +1,7 @@
 """Prometheus metrics, on a registry of crossbar's own (served at /_crossbar/metrics).
 
-Counters and histograms are updated when a request ends, for every request. prometheus-client's
+Counters and histograms are updated for every request, within 50 ms of its end (`Router.account_finished`,
+which every scrape calls first). prometheus-client's
 own `Counter` and `Histogram` take a lock on every update, check the label values on every
 `labels()` call and walk the buckets one by one: well over a hundred Python lines a request. They
 are plain accumulators here instead (`CounterFamily`, `HistogramFamily`: one dict lookup and an
