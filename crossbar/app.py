@@ -91,6 +91,8 @@ class Router:
         self.metrics.add_live(CounterCollector(self._store_figures))
         self._unaccounted: list[Exchange] = []  # finished, row and metrics not yet made
         self._account_timer: asyncio.TimerHandle | None = None
+        self._account_loop: asyncio.AbstractEventLoop | None = None  # where that timer runs
+        self._closing = False  # from now on every request is accounted as it ends
 
     # ------------------------------------------------------------ lifecycle
 
@@ -132,12 +134,14 @@ class Router:
         return not self.live
 
     async def close(self) -> None:
+        self._closing = True
         self.account_finished()
         if self._housekeeping:
             self._housekeeping.cancel()
         if self.fleetwide is not None:
             self.fleetwide.stop()
         await self.poller.stop()
+        self.account_finished()
         await asyncio.to_thread(self.store.close)
 
     # ------------------------------------------------------------ reload
@@ -650,15 +654,17 @@ class Router:
     def _account_soon(self, ex: Exchange) -> None:
         pending = self._unaccounted
         pending.append(ex)
-        if len(pending) >= ACCOUNT_BATCH:
+        if len(pending) >= ACCOUNT_BATCH or self._closing:
             self.account_finished()
-        elif self._account_timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop to come back on (a synchronous caller): account now
-                self.account_finished()
-                return
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop to come back on (a synchronous caller): account now
+            self.account_finished()
+            return
+        if self._account_timer is None or self._account_loop is not loop:  # none, or a stopped loop's
             self._account_timer = loop.call_later(ACCOUNT_EVERY, self.account_finished)
+            self._account_loop = loop
 
     def account_finished(self) -> None:
         """Make the rows and metrics of every request finished so far. Readers of rows or metrics
@@ -667,11 +673,14 @@ class Router:
             self._account_timer.cancel()
             self._account_timer = None
         batch, self._unaccounted = self._unaccounted, []
-        for ex in batch:
+        for done, ex in enumerate(batch, 1):
             try:
                 self._account(ex)
             except Exception:  # one bad request must not cost the others their rows
                 log.exception("crossbar: accounting a finished request failed")
+            except BaseException:  # cancelled or interrupted: the rest wait for the next pass
+                self._unaccounted[:0] = batch[done:]
+                raise
 
     def _account(self, ex: Exchange) -> None:
         self.store.record_request(ex.row())

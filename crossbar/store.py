@@ -80,11 +80,6 @@ log = logging.getLogger("crossbar.store")
 USAGE_KEYS = ("route", "model", "host", "decision")
 # request and health rows may be shed under pressure; leases, lease events and rollups never are
 _DROPPABLE = ("request", "health")
-# SQLite's rows are read by this instance alone, and a commit costs its writer thread (sharing the
-# interpreter lock, and usually the CPU, with the event loop) several milliseconds however few
-# rows it holds: gathering for a second instead of a quarter took the writer's CPU per request
-# from 30 to 13 µs under load. PostgreSQL keeps the shorter wait: other instances read its rows.
-LOCAL_BATCHES = {"linger": 1.0, "batch": 4000}
 
 
 class StoreError(Exception):
@@ -462,10 +457,8 @@ class Store:
         self.last_rollup = 0
         self.bad_figures = 0  # figures out of their sane range, stored as unknown
         self._bad_lock = threading.Lock()
-        local = self.db is None or not self.db.postgres
         self._queue = WriteBehind(
-            self, name=self.label, droppable=_DROPPABLE, max_pending=max_pending, log=log,
-            **(LOCAL_BATCHES if local else {}),
+            self, name=self.label, droppable=_DROPPABLE, max_pending=max_pending, log=log
         )
         self._writer: Engine | None = None
         self._reader: Engine | None = None

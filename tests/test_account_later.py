@@ -154,3 +154,53 @@ async def test_a_reload_labels_what_ended_before_it_by_the_old_routes(tmp_path: 
         r.account_finished()
         labels = {s.labels["route"] for family in r.metrics.requests.collect() for s in family.samples}
         assert labels == {"s"}  # under the new config, route "s" would be labelled "other"
+
+
+def test_a_timer_left_by_a_stopped_loop_does_not_hold_rows_back(tmp_path: Path) -> None:
+    with router(tmp_path) as r:
+        async def finish_one(fp: str) -> None:
+            finished(r, fp)
+
+        asyncio.run(finish_one("f0"))  # its loop stops before the timer fires
+
+        async def finish_and_wait() -> None:
+            finished(r, "f1")
+            await asyncio.sleep(app.ACCOUNT_EVERY * 3)
+
+        asyncio.run(finish_and_wait())
+        assert sorted(row.fp for row in rows(r)) == ["f0", "f1"]
+
+
+async def test_a_request_ending_while_the_router_closes_is_accounted_at_once(tmp_path: Path) -> None:
+    r = Router(parse_config(raw(tmp_path / "crossbar.db")))
+    r.open()
+    closing = asyncio.create_task(r.close())
+    await asyncio.sleep(0)  # close has begun
+    finished(r, "late")
+    assert counted(r) == 1  # not left behind a timer that may never fire
+    await closing
+    reopened = Router(parse_config(raw(tmp_path / "crossbar.db")))
+    reopened.open()
+    try:  # stored, or (once the store had closed) counted as dropped: never lost unseen
+        assert len(reopened.store.requests_since(0)) + r.store.dropped == 1
+    finally:
+        reopened.store.close()
+
+
+async def test_an_interrupted_pass_leaves_the_rest_for_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with router(tmp_path) as r:
+        exs = [finished(r, f"f{i}") for i in range(3)]
+        real_account = Router._account
+
+        def account(self: Router, ex: Exchange) -> None:
+            if ex is exs[1]:
+                raise asyncio.CancelledError
+            real_account(self, ex)
+
+        monkeypatch.setattr(Router, "_account", account)
+        with pytest.raises(asyncio.CancelledError):
+            r.account_finished()
+        monkeypatch.setattr(Router, "_account", real_account)
+        r.account_finished()
+        assert sorted(row.fp for row in rows(r)) == ["f0", "f2"]

@@ -205,6 +205,7 @@ async def test_response_then_error_write_exactly_one_row(tmp_path: Path) -> None
         await r.response(f)
         rows = await r.rows()
         assert len(rows) == 1 and rows[0].status == 200
+        assert rows[0].err is None  # the row is what the exchange held when it ended
         assert r.router.in_flight("a", "m") == 0
         assert not r.router.live
 

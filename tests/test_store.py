@@ -242,21 +242,6 @@ def test_ten_thousand_requests_from_several_threads_all_land(store: Store, db_pa
     assert sum(spent) / 10_000 < 0.001  # generous: an enqueue is a lock and an append
 
 
-def test_rows_gather_for_a_second_and_a_flush_does_not_wait_for_that(store: Store, db_path: Path) -> None:
-    store.record_request(request(route="r", started=T0))
-    time.sleep(0.5)  # longer than the quarter second rows used to gather for
-    assert raw(db_path, "SELECT count(*) FROM requests") == [(0,)]  # one commit per second, at most
-    begin = time.monotonic()
-    assert store.flush(timeout=5)
-    assert time.monotonic() - begin < 0.4  # generous: a flush commits at once
-    assert raw(db_path, "SELECT count(*) FROM requests") == [(1,)]
-
-
-def test_a_shared_database_gathers_rows_for_a_quarter_second_only() -> None:
-    shared = Store("postgresql://crossbar@127.0.0.1:1/crossbar")  # never opened: only its queue is read
-    assert (shared._queue.linger, shared._queue.batch) == (0.25, 500)  # other instances read its rows
-
-
 def test_null_token_figures_stay_null(store: Store) -> None:
     store.record_request(
         request(prompt_tokens=None, cached_tokens=None, completion_tokens=None, ttfb_ms=None, status=None)
