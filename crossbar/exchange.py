@@ -97,6 +97,7 @@ class Exchange:
         if self.finished:
             return False
         self.finished = True
+        self.tap = None  # its usage was read; the row may be made a little later, without its buffer
         if self.deadline is not None:  # usually cancelled already, by the first byte
             self.cancel_deadline()
         steps = [self.drop_slot, *reversed(self._cleanups)]

@@ -21,7 +21,7 @@ from crossbar.config import parse_config
 from crossbar.exchange import Exchange
 from crossbar.lease import Key
 from crossbar.reload import plan_reload
-from crossbar.tap import Usage
+from crossbar.tap import SSETap, Usage
 
 CHAT = "/v1/chat/completions"
 
@@ -204,3 +204,13 @@ async def test_an_interrupted_pass_leaves_the_rest_for_the_next(
         monkeypatch.setattr(Router, "_account", real_account)
         r.account_finished()
         assert sorted(row.fp for row in rows(r)) == ["f0", "f2"]
+
+
+async def test_a_finished_request_waiting_for_its_row_holds_no_stream_buffer(tmp_path: Path) -> None:
+    with router(tmp_path) as r:
+        ex = Exchange(r.cfg.routes["r"], Key("r", "f", "m"), CHAT, completion=True, host="a", status=200,
+                      stream=True, tap=SSETap())
+        assert ex.tap is not None
+        ex.tap(b"data: " + b"x" * 100_000)  # a cut stream: a partial line buffered
+        r.finish(ex)
+        assert ex.tap is None and counted(r) == 0
