@@ -679,6 +679,7 @@ class Router:
             except Exception:  # one bad request must not cost the others their rows
                 log.exception("crossbar: accounting a finished request failed")
             except BaseException:  # cancelled or interrupted: the rest wait for the next pass
+                log.warning("crossbar: accounting interrupted; one request's row and metrics are lost")
                 self._unaccounted[:0] = batch[done:]
                 raise
 

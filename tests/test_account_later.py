@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from crossbar import app
+from crossbar.addons import Runtime, graceful
 from crossbar.admin import Admin
 from crossbar.app import Router
 from crossbar.config import parse_config
@@ -214,3 +215,18 @@ async def test_a_finished_request_waiting_for_its_row_holds_no_stream_buffer(tmp
         ex.tap(b"data: " + b"x" * 100_000)  # a cut stream: a partial line buffered
         r.finish(ex)
         assert ex.tap is None and counted(r) == 0
+
+
+async def test_requests_cut_at_shutdown_get_their_rows_before_any_late_hook_returns(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(graceful, "CUT_GRACE_S", 0.0)
+    with router(tmp_path) as r:
+        ex = Exchange(r.cfg.routes["r"], Key("r", "f", "m"), CHAT, completion=True, host="a")
+        r.live.add(ex)
+        ex.on_end(lambda: r.live.discard(ex))
+        rt = Runtime()
+        rt.router = r
+        await graceful.GracefulStop(rt)._cut(r)
+        ex.err = "a hook that outlived the cut"  # e.g. a pre-flight that returned afterwards
+        (row,) = rows(r)
+        assert row.err == "cut: crossbar stopped after drain_timeout"

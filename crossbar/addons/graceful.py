@@ -65,6 +65,7 @@ class GracefulStop:
         for ex in list(router.live):
             ex.err = ex.err or "cut: crossbar stopped after drain_timeout"
             router.finish(ex)
+        router.account_finished()  # their rows now: a hook still running for one changes nothing
 
 
 def _exit_on_next_signal() -> None:
