@@ -1,9 +1,9 @@
 """Prometheus metrics, on a registry of crossbar's own (served at /_crossbar/metrics).
 
-Counters and histograms are updated for every request, within 50 ms of its end (`Router.account_finished`,
-which every scrape calls first). prometheus-client's
-own `Counter` and `Histogram` take a lock on every update, check the label values on every
-`labels()` call and walk the buckets one by one: well over a hundred Python lines a request. They
+Counters and histograms are updated for every request, within 50 ms of its end
+(`Router.account_finished`, which every scrape calls first). prometheus-client's own `Counter` and
+`Histogram` take a lock on every update, check the label values on every `labels()` call and walk
+the buckets one by one: well over a hundred Python lines a request. They
 are plain accumulators here instead (`CounterFamily`, `HistogramFamily`: one dict lookup and an
 add, a bucket found by bisection), turned into prometheus-client's metric families only at scrape
 time by the registry, so the exposition is the one prometheus-client's classes give, `_created`
