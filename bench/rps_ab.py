@@ -18,9 +18,8 @@ it the scheduler places every process, and a proxy may share a CPU with the load
 kind's K windows. One process's rate depends on its luck (string hashing is seeded per process,
 and where its objects land in memory), by a few per cent either way between two starts of the
 same tree; the mean of several starts moves less. The two trees swap places in every other
-replica: a window is slowed by the work the proxy measured just before it left behind (crossbar
-commits its rows after a window ends), and with one tree always measured after the other, two
-copies of the same tree came out 0.036 apart. Give an even K.
+replica (give an even K), so neither is always measured right after the other. Two copies of one
+tree still came out up to 0.04 apart: treat a smaller difference as noise.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class Router:
         self._unaccounted: list[Exchange] = []  # finished, row and metrics not yet made
         self._account_timer: asyncio.TimerHandle | None = None
         self._account_loop: asyncio.AbstractEventLoop | None = None  # where that timer runs
-        self._closing = False  # from now on every request is accounted as it ends
+        self._closing = False  # set by close(): from then on every request is accounted as it ends
 
     # ------------------------------------------------------------ lifecycle
 
@@ -141,7 +141,6 @@ class Router:
         if self.fleetwide is not None:
             self.fleetwide.stop()
         await self.poller.stop()
-        self.account_finished()
         await asyncio.to_thread(self.store.close)
 
     # ------------------------------------------------------------ reload

@@ -70,11 +70,9 @@ class Account:
         ex, router = exchange_of(flow), self.rt.router
         if ex is None or router is None:
             return
-        if ex.finished:  # its row is made from what it held when it ended (an error after the answer)
-            self.rt.done_with(flow)
-            return
         try:
-            read(flow, ex)
+            if not ex.finished:  # an error after the answer: its row is what it held when it ended
+                read(flow, ex)
         finally:
             self.rt.done_with(flow)
             router.finish(ex)
