@@ -80,6 +80,9 @@ log = logging.getLogger("crossbar.store")
 USAGE_KEYS = ("route", "model", "host", "decision")
 # request and health rows may be shed under pressure; leases, lease events and rollups never are
 _DROPPABLE = ("request", "health")
+# a request's row and a lease's last use may wait a second to be written; a lease that is created,
+# moved or dropped also records an event, which is written within a quarter of one
+_LAZY = ("request", "lease")
 
 
 class StoreError(Exception):
@@ -458,7 +461,7 @@ class Store:
         self.bad_figures = 0  # figures out of their sane range, stored as unknown
         self._bad_lock = threading.Lock()
         self._queue = WriteBehind(
-            self, name=self.label, droppable=_DROPPABLE, max_pending=max_pending, log=log
+            self, name=self.label, droppable=_DROPPABLE, lazy=_LAZY, max_pending=max_pending, log=log
         )
         self._writer: Engine | None = None
         self._reader: Engine | None = None

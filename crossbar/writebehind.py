@@ -1,14 +1,16 @@
 """A write-behind queue: callers enqueue operations without ever blocking on I/O; one background
 thread commits them to a database in batches.
 
-Enqueueing is a lock-protected append. The writer thread gathers work for up to `linger` seconds
-(one commit per many operations keeps its CPU time, and its hold on the GIL shared with the
-proxy's event loop, small), then commits up to `batch` operations in one transaction through a
-`Sink`. A failing database never raises into callers: the writer logs one warning per failure
-burst, counts every failed attempt in `errors`, keeps the batch and retries with backoff (0.1 s
-doubling to 5 s), asking the sink to reconnect in between. A batch the database refuses (not a
-transient failure) is split into single operations so that only the refused ones are dropped
-(counted in `dropped`) and everything behind them lands.
+Enqueueing is a lock-protected append. The writer thread gathers work (one commit per many
+operations keeps its CPU time, and its hold on the GIL shared with the proxy's event loop, small),
+then commits up to `batch` operations in one transaction through a `Sink`. An operation waits at
+most `linger` seconds, or `lazy_linger` for a kind listed in `lazy`: the batch is written when its
+most pressing operation is due, when it is full, or at once for someone waiting in `flush`. A
+failing database never raises into callers: the writer logs one warning per failure burst, counts
+every failed attempt in `errors`, keeps the batch and retries with backoff (0.1 s doubling to
+5 s), asking the sink to reconnect in between. A batch the database refuses (not a transient
+failure) is split into single operations so that only the refused ones are dropped (counted in
+`dropped`) and everything behind them lands.
 
 Only when more than `max_pending` operations wait are the oldest operations of a droppable kind
 shed (counted in `dropped`); other kinds never are.
@@ -17,6 +19,7 @@ shed (counted in `dropped`); other kinds never are.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -25,8 +28,9 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Protocol
 
-BATCH = 500
+BATCH = 2000
 LINGER = 0.25
+LAZY_LINGER = 1.0
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0
 
@@ -75,6 +79,8 @@ class WriteBehind:
         log: logging.Logger,
         batch: int = BATCH,
         linger: float = LINGER,
+        lazy: Collection[str] = (),
+        lazy_linger: float = LAZY_LINGER,
     ) -> None:
         self.sink = sink
         self.name = name  # where the rows go, for log lines
@@ -83,6 +89,8 @@ class WriteBehind:
         self.log = log
         self.batch = batch
         self.linger = linger
+        self.lazy = frozenset(lazy)
+        self.lazy_linger = max(linger, lazy_linger)
         self.errors = 0
         self.dropped = 0
         self.written = 0
@@ -95,6 +103,7 @@ class WriteBehind:
         self._ordered: deque[Op] = deque()  # never dropped
         self._rows: deque[Op] = deque()  # droppable: oldest shed beyond max_pending
         self._seq = 0
+        self._due = math.inf  # time.monotonic() by which what waits must be written
         self._inflight = 0
         self._inflight_first: int | None = None
         self._failing = False
@@ -166,8 +175,20 @@ class WriteBehind:
             (self._rows if kind in self.droppable else self._ordered).append(Op(self._seq, kind, data))
             if queued + 1 + self._inflight > self.max_pending:  # self.pending, without the call
                 self._drop_oldest()
-            if queued == 0 or queued + 1 >= self.batch:  # the writer only needs waking for these
+            if self._sooner(kind) or queued + 1 >= self.batch:  # the writer only needs waking for these
                 self._has_work.notify()
+
+    def _sooner(self, kind: str) -> bool:
+        """Under the lock: an operation of `kind` was just enqueued; True when it makes the batch
+        due sooner. (A lazy one never does while something waits: that was enqueued earlier.)"""
+        lazy = kind in self.lazy
+        if lazy and self._due != math.inf:
+            return False
+        due = time.monotonic() + (self.lazy_linger if lazy else self.linger)
+        if due >= self._due:
+            return False
+        self._due = due
+        return True
 
     def _drop_oldest(self) -> None:
         """Under the lock: shed the oldest droppable operations down to max_pending."""
@@ -209,6 +230,8 @@ class WriteBehind:
             if self._stop:
                 return None
             batch = self._pop_batch()
+            if not (self._ordered or self._rows):  # else the rest is overdue already: write it next
+                self._due = math.inf
             self._inflight = len(batch)
             self._inflight_first = batch[0].seq
             if not self._rows:
@@ -216,10 +239,9 @@ class WriteBehind:
             return batch
 
     def _linger(self) -> None:
-        """Under the lock: let a batch gather for up to `linger` unless someone waits for it."""
-        deadline = time.monotonic() + self.linger
+        """Under the lock: let a batch gather until it is due or full, unless someone waits for it."""
         while not (self._stop or self._urgent or len(self._ordered) + len(self._rows) >= self.batch):
-            remaining = deadline - time.monotonic()
+            remaining = self._due - time.monotonic()
             if remaining <= 0:
                 return
             self._has_work.wait(remaining)

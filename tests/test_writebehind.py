@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import time
 
 import pytest
 from sqlalchemy.exc import IntegrityError, OperationalError
@@ -98,3 +99,28 @@ def test_batches_keep_enqueue_order_across_droppable_and_other_kinds(batch: int)
     assert sink.rows == [{"n": n} for n in range(len(kinds))]
     assert sink.batches == ([3, 3, 3, 1] if batch == 3 else [10])
     queue.stop()
+
+
+def test_a_lazy_kind_waits_its_own_linger_and_any_other_operation_brings_the_batch_forward() -> None:
+    """Lazy operations (a request's row, a lease's last use) may wait `lazy_linger`; an operation
+    of any other kind is written within `linger`, with everything enqueued before it."""
+    sink = MemorySink(RuntimeError("unused"))
+    queue = WriteBehind(sink, name="memory", droppable=("row",), max_pending=100, log=log, linger=0.05,
+                        lazy=("row", "touch"), lazy_linger=30)
+    queue.start("test-writer")
+    try:
+        queue.put("row", {"n": 0})
+        queue.put("touch", {"n": 1})
+        time.sleep(0.5)  # ten times `linger`
+        assert sink.rows == []
+        queue.put("event", {"n": 2})
+        deadline = time.monotonic() + 10  # far below `lazy_linger`
+        while len(sink.rows) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sink.rows == [{"n": 0}, {"n": 1}, {"n": 2}]
+        queue.put("row", {"n": 3})  # due again only in `lazy_linger`; flush writes it at once
+        time.sleep(0.3)
+        assert len(sink.rows) == 3
+        assert queue.flush(timeout=5) and sink.rows[-1] == {"n": 3}
+    finally:
+        queue.stop()
