@@ -213,7 +213,7 @@ class Admin:
         ]
 
     def _read(self, query: Callable[..., T], *args: Any) -> T:
-        """In a worker thread: let the writer commit what is queued (it batches for up to a quarter
+        """In a worker thread: let the writer commit what is queued (it batches for up to a
         second), so the API answers with every request that has finished, then query."""
         self.router.store.flush(READ_FLUSH_TIMEOUT)
         return query(*args)

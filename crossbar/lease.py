@@ -73,8 +73,10 @@ class Persister(Protocol):
     """Write-through target (crossbar.store.Store); calls are non-blocking and never raise."""
 
     def save_lease(
-        self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float
-    ) -> None: ...
+        self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float,
+        *, touch: bool = False,
+    ) -> None:
+        """`touch`: only the lease's last use moved (it may be written later than a change)."""
 
     def delete_lease(self, route: str, fp: str, model: str, idle_before: float | None = None) -> None: ...
 
@@ -82,7 +84,7 @@ class Persister(Protocol):
 class _Unwritten:
     """The persister while another instance's change is applied: it is written already."""
 
-    def save_lease(self, *_args: Any) -> None:
+    def save_lease(self, *_args: Any, **_kw: Any) -> None:
         pass
 
     def delete_lease(self, *_args: Any, **_kw: Any) -> None:
@@ -171,7 +173,10 @@ class LeaseTable:
                 was = lease.state
                 if self._pins.get(key.route) == lease.host:
                     lease.state = PINNED
-                self._use(lease, now, save=lease.state != was or not self.in_use(key))
+                changed = lease.state != was
+                self._use(lease, now, save=not changed and not self.in_use(key))
+                if changed:  # a change, not only a use: written as promptly as any
+                    self._save(lease)
             case Change.MOVE if lease is not None:
                 state = PINNED if change.reason == Reason.PIN else ACTIVE
                 self._replace(Lease(key, change.host, state, now, now))
@@ -445,7 +450,7 @@ class LeaseTable:
         self._leases.move_to_end(lease.key)
         self._by_route[lease.key.route].move_to_end(lease.key)
         if save:
-            self._save(lease)
+            self._save(lease, touch=True)
 
     def _drop(self, lease: Lease, now: float, reason: Reason, to_host: str | None,
               idle_before: float | None = None) -> None:
@@ -453,10 +458,10 @@ class LeaseTable:
         self._persist.delete_lease(lease.key.route, lease.key.fp, lease.key.model, idle_before)
         self._event(now, lease.key, lease.host, to_host, reason)
 
-    def _save(self, lease: Lease) -> None:
+    def _save(self, lease: Lease, touch: bool = False) -> None:
         k = lease.key
         self._persist.save_lease(
-            k.route, k.fp, k.model, lease.host, lease.state, lease.created, lease.last_used
+            k.route, k.fp, k.model, lease.host, lease.state, lease.created, lease.last_used, touch=touch
         )
 
     def _event(self, now: float, key: Key, from_host: str | None, to_host: str | None,

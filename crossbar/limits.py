@@ -32,7 +32,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
-from weakref import WeakKeyDictionary
 
 from mitmproxy import ctx, http
 from mitmproxy.connection import Client, Connection
@@ -40,6 +39,7 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from crossbar.app import Router
 from crossbar.decisions import Rejection
+from crossbar.weakid import WeakIdDict
 
 log = logging.getLogger("crossbar")
 
@@ -604,8 +604,8 @@ class Limits:
         self.reclaim = reclaim  # an unfinished upload's memory goes back soon (`crossbar.reclaim`)
         self.per_peer: Counter[str] = Counter()
         self._counted: set[str] = set()  # ids of the client connections counted in per_peer
-        self._clients: WeakKeyDictionary[Client, ClientReader] = WeakKeyDictionary()
-        self._upstreams: WeakKeyDictionary[Connection, UpstreamReader] = WeakKeyDictionary()
+        self._clients: WeakIdDict[Client, ClientReader] = WeakIdDict()
+        self._upstreams: WeakIdDict[Connection, UpstreamReader] = WeakIdDict()
 
     def settings(self) -> LimitSettings | None:
         router = self.router()

@@ -80,9 +80,10 @@ log = logging.getLogger("crossbar.store")
 USAGE_KEYS = ("route", "model", "host", "decision")
 # request and health rows may be shed under pressure; leases, lease events and rollups never are
 _DROPPABLE = ("request", "health")
-# a request's row and a lease's last use may wait a second to be written; a lease that is created,
-# moved or dropped also records an event, which is written within a quarter of one
-_LAZY = ("request", "lease")
+# a request's row and a lease's last use ("touch") may wait a second to be written; every other
+# operation, a lease change included, is written within a quarter of one
+_LAZY = ("request", "touch")
+_LEASE_OPS = frozenset({"lease", "touch", "unlease"})
 
 
 class StoreError(Exception):
@@ -552,12 +553,16 @@ class Store:
     # -- enqueue (never blocks on I/O, never raises) ----------------------------------------------
 
     def save_lease(
-        self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float
+        self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float,
+        *, touch: bool = False,
     ) -> None:
+        """Upsert the lease row. `touch`: only its last use moved, which may be written up to a
+        second later than a change."""
         if not _plain_key(route, fp, model):
             route, fp, model = _text(route), _text(fp), _text(model)
-        self._queue.put("lease", {"route": route, "fp": fp, "model": model, "host": host, "state": state,
-                                  "created": float(created), "last_used": float(last_used)})
+        data = {"route": route, "fp": fp, "model": model, "host": host, "state": state,
+                "created": float(created), "last_used": float(last_used)}
+        self._queue.put("touch" if touch else "lease", data)
 
     def delete_lease(self, route: str, fp: str, model: str, idle_before: float | None = None) -> None:
         """Delete the lease row; with `idle_before`, only while it was last used before then."""
@@ -686,7 +691,7 @@ class Store:
         rows: dict[str, list[Any]] = {"request": [], "drain": [], "event": [], "health": [], "notify": []}
         for op in ops:
             kind = op.kind
-            if kind == "lease" or kind == "unlease":
+            if kind in _LEASE_OPS:
                 leases[_LEASE_KEY(op.data)] = op  # the last operation on a key wins
             else:
                 rows[kind].append(op.data)
@@ -702,7 +707,7 @@ class Store:
 
     @staticmethod
     def _apply_leases(conn: Connection, ops: Sequence[Op]) -> None:
-        saves = [op.data for op in ops if op.kind == "lease"]
+        saves = [op.data for op in ops if op.kind != "unlease"]
         deletes = [{f"k_{k}": v for k, v in op.data.items()} for op in ops if op.kind == "unlease"]
         if saves:
             _execute_many(conn, "lease", _lease_upsert, saves)

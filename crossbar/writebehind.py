@@ -172,6 +172,8 @@ class WriteBehind:
                 return
             self._seq += 1
             queued = len(self._ordered) + len(self._rows)
+            if queued == 0:  # nothing waits (a shed backlog may have left a due time behind)
+                self._due = math.inf
             (self._rows if kind in self.droppable else self._ordered).append(Op(self._seq, kind, data))
             if queued + 1 + self._inflight > self.max_pending:  # self.pending, without the call
                 self._drop_oldest()
@@ -230,7 +232,7 @@ class WriteBehind:
             if self._stop:
                 return None
             batch = self._pop_batch()
-            if not (self._ordered or self._rows):  # else the rest is overdue already: write it next
+            if not (self._ordered or self._rows):  # else the rest stays due when the batch was
                 self._due = math.inf
             self._inflight = len(batch)
             self._inflight_first = batch[0].seq

@@ -453,7 +453,7 @@ def test_mitmdump_refuses_a_missing_config_file(tmp_path: Path) -> None:
 
 
 async def test_usage_answers_with_every_finished_request_without_waiting(tmp_path: Path) -> None:
-    """The store writer batches for up to a quarter second; the admin API still counts a request
+    """The store writer batches request rows for up to a second; the admin API still counts a request
     that finished just before the question."""
     async with sim_fleet({"a": HostSpec({"m": {}})}) as fleet:
         cfg = single_host_config(tmp_path / "c.toml", fleet["a"].url)

@@ -33,7 +33,7 @@ class RecordingStore:
     shared: Any = field(default_factory=lambda: SimpleNamespace(subscribe=lambda *a: None))
     drains: set[str] = field(default_factory=set)
 
-    def save_lease(self, *args: Any) -> None:
+    def save_lease(self, *args: Any, **_kw: Any) -> None:
         self.calls.append(("save", *args))
 
     def delete_lease(self, *args: Any) -> None:

@@ -23,11 +23,15 @@ K2 = Key(R, "fp2", M)
 @dataclass
 class FakePersister:
     calls: list[tuple[Any, ...]] = field(default_factory=list)
+    touched: list[tuple[str, str, str]] = field(default_factory=list)  # saves of a last use alone
 
     def save_lease(
-        self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float
+        self, route: str, fp: str, model: str, host: str, state: str, created: float, last_used: float,
+        *, touch: bool = False,
     ) -> None:
         self.calls.append(("save", route, fp, model, host, state, created, last_used))
+        if touch:
+            self.touched.append((route, fp, model))
 
     def delete_lease(self, route: str, fp: str, model: str, idle_before: float | None = None) -> None:
         self.calls.append(("delete", route, fp, model))
@@ -183,6 +187,22 @@ def test_the_end_of_a_request_records_last_use(w: World) -> None:
     w.table.unhold(K2, 150.0)  # no lease: nothing happens
     assert w.persist.take() == [save(K1, "alpha", 100.0, 150.0)]
     assert w.table.snapshot()[0].last_used == 150.0
+
+
+def test_a_last_use_is_a_touch_and_every_change_is_not(w: World) -> None:
+    """The store may write a lease's last use up to a second late; never a change."""
+    w.acquire(K1, 100.0)  # created
+    w.chooser.prefer = ["beta"]
+    w.hosts.down.add("alpha")
+    w.acquire(K1, 110.0)  # moved
+    assert w.persist.touched == []
+    w.table.hold(K1)
+    w.table.unhold(K1, 150.0)
+    assert w.persist.touched == [(R, K1.fp, M)]
+    w.persist.touched.clear()
+    w.table.pin(R, "beta", HOSTS, 200.0)  # the lease turns pinned; the pin row
+    w.table.unpin(R, 210.0)
+    assert w.persist.touched == [] and w.persist.take()
 
 
 def test_a_turn_in_flight_is_written_once_when_it_ends(w: World) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 import time
 
 import pytest
@@ -123,4 +124,38 @@ def test_a_lazy_kind_waits_its_own_linger_and_any_other_operation_brings_the_bat
         assert len(sink.rows) == 3
         assert queue.flush(timeout=5) and sink.rows[-1] == {"n": 3}
     finally:
+        queue.stop()
+
+
+def test_an_operation_after_a_shed_backlog_is_still_written_when_due() -> None:
+    """Shedding can empty the queue while a due time is set; the next operation must not find the
+    writer asleep behind that stale time."""
+    gate = threading.Event()
+
+    class SlowSink(MemorySink):
+        def commit(self, ops: list[Op]) -> None:
+            gate.wait(10)
+            super().commit(ops)
+
+    sink = SlowSink(RuntimeError("unused"))
+    queue = WriteBehind(sink, name="memory", droppable=("row",), max_pending=2, log=log, linger=0.05,
+                        lazy=("row",), lazy_linger=0.2)
+    queue.start("test-writer")
+    try:
+        queue.put("event", {"n": 0})
+        queue.put("event", {"n": 1})
+        deadline = time.monotonic() + 10
+        while queue._inflight < 2 and time.monotonic() < deadline:  # both taken, their commit held
+            time.sleep(0.01)
+        queue.put("row", {"n": 2})  # over max_pending: shed at once, leaving nothing queued
+        assert queue.dropped == 1
+        gate.set()
+        time.sleep(0.5)  # the shed row's due time passes
+        queue.put("event", {"n": 3})
+        deadline = time.monotonic() + 10
+        while len(sink.rows) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sink.rows == [{"n": 0}, {"n": 1}, {"n": 3}]
+    finally:
+        gate.set()
         queue.stop()

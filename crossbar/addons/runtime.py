@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from weakref import WeakKeyDictionary
 
 import aiohttp
 from mitmproxy import ctx, http
@@ -25,6 +24,7 @@ from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
 from crossbar.identity import HeaderPeer, IdentityError, Tailscale
 from crossbar.reclaim import Reclaimer
+from crossbar.weakid import WeakIdDict
 
 META = "crossbar"  # flow.metadata key of the flow's Exchange
 LOCAL = "crossbar.local"  # flow.metadata key: crossbar answered this flow itself
@@ -51,9 +51,9 @@ class Runtime:
         self.reloader: Callable[[], Awaitable[str]] | None = None  # re-reads the configuration file
         # per client connection: set when it leaves; the upstream addresses it holds open
         # (mitmproxy reuses those); the flow being forwarded on it
-        self.gone: WeakKeyDictionary[Client, asyncio.Event] = WeakKeyDictionary()
-        self.upstreams: WeakKeyDictionary[Client, set[tuple[str, int]]] = WeakKeyDictionary()
-        self.current: WeakKeyDictionary[Client, http.HTTPFlow] = WeakKeyDictionary()
+        self.gone: WeakIdDict[Client, asyncio.Event] = WeakIdDict()
+        self.upstreams: WeakIdDict[Client, set[tuple[str, int]]] = WeakIdDict()
+        self.current: WeakIdDict[Client, http.HTTPFlow] = WeakIdDict()
 
     def role(self, flow: http.HTTPFlow) -> tuple[str, str]:
         """(listener role, route name of a route's own listener) for the flow."""
