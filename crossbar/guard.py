@@ -27,6 +27,7 @@ DEFAULT_BYTES_PER_TOKEN = 4.0
 MARGIN = 1.2  # on the blind bytes/4 guess only
 LEARNED_MARGIN = 1.0  # a ratio measured on the model itself needs none: refusing a prompt the
 # server would accept is worse than letting the server refuse one (in the same error shape)
+ROUNDING_SLACK = 5e-7  # far above the error of a product of a few floats, far below one token
 LEARN_MIN_BYTES = 256  # short prompts are dominated by the chat template's fixed overhead
 LEARN_WEIGHT = 0.3
 RATIO_BAND = (0.02, 1.5)  # tokens per byte any real tokenizer stays within (1.0: byte-level models)
@@ -58,7 +59,7 @@ class TokenEstimator:
         """The blind estimate: bytes/4 with a margin."""
         if prompt_bytes <= 0:
             return 0
-        return math.ceil(round(prompt_bytes * self.default_ratio * self.margin, 6))
+        return _whole_tokens(prompt_bytes * self.default_ratio * self.margin)
 
     def ratio(self, host: str, model: str) -> float | None:
         """The learned tokens per byte of (host, model), or None (never learned, or forgotten)."""
@@ -81,7 +82,7 @@ class TokenEstimator:
         learned = self.ratio(host, model)
         if learned is None:
             return self.plain(prompt_bytes)
-        return math.ceil(round(prompt_bytes * learned * LEARNED_MARGIN, 6))
+        return _whole_tokens(prompt_bytes * learned * LEARNED_MARGIN)
 
     def learn(self, host: str, model: str, path: str, prompt_bytes: int, prompt_tokens: int | None) -> None:
         """Fold in one reply's real count (whole prompt, cached part included)."""
@@ -102,6 +103,13 @@ class TokenEstimator:
                 self._learned[(host, model)] = _Learned(sum(entry.outliers) / len(entry.outliers), now, [])
             return
         entry.ratio, entry.at, entry.outliers = old + LEARN_WEIGHT * (seen - old), now, []
+
+
+def _whole_tokens(estimate: float) -> int:
+    """`estimate` rounded up, where a product that lands a hair above a whole number (300.00000000000006
+    for 1000 bytes x 0.25 x 1.2) is that number. As `ceil(round(estimate, 6))` but without the
+    decimal conversion `round` makes, which cost a request more than the rest of the estimate."""
+    return math.ceil(estimate - ROUNDING_SLACK)
 
 
 def _agree(samples: list[float]) -> bool:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from types import MappingProxyType
 
 import pytest
 from samples_util import SAMPLES, load
 
 from crossbar.config import Address, HostConf, ModelConf, WakeConf
-from crossbar.guard import TokenEstimator, fits, overflow
+from crossbar.guard import TokenEstimator, _whole_tokens, fits, overflow
 from crossbar.identity import admitted, names_from_whois
 from crossbar.wake import Waker, magic_packet
 
@@ -192,3 +193,15 @@ def test_names_from_whois() -> None:
 ])
 def test_admitted(peers: tuple[str, ...], names: frozenset[str], ok: bool) -> None:
     assert admitted(peers, names) is ok
+
+
+@pytest.mark.parametrize(("estimate", "tokens"), [
+    (1000 * 0.25 * 1.2, 300),  # 300.00000000000006: float error, not a token more
+    (300.0000004, 300),
+    (300.000001, 301),
+    (299.5, 300),
+    (0.1, 1),
+    (1e8 + 0.5, 100_000_001),
+])
+def test_an_estimate_is_rounded_up_past_float_error(estimate: float, tokens: int) -> None:
+    assert _whole_tokens(estimate) == tokens == math.ceil(round(estimate, 6))
