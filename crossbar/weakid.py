@@ -2,7 +2,7 @@
 
 `weakref.WeakKeyDictionary` makes a weak reference for every lookup and hashes and compares keys
 through their own methods; mitmproxy's connections define both in Python (by their `id`), so a
-lookup ran four Python functions, and the request path makes several per request. `WeakIdDict`
+lookup ran three Python functions, and the request path makes several per request. `WeakIdDict`
 keys by `id()` and keeps one reference per entry, checked on every lookup, so an entry never
 answers for a later object that happens to get the same id.
 
