@@ -59,7 +59,7 @@ def test_an_entry_goes_with_its_key_and_never_answers_for_a_later_object() -> No
     assert d[reused] == 2 and len(d._entries) == 1
 
 
-def test_a_key_collected_in_a_cycle_while_the_dictionary_is_read() -> None:
+def test_keys_collected_with_mitmproxys_flows_leave_only_the_live_entry() -> None:
     d: WeakIdDict[object, int] = WeakIdDict()
     flows = [tflow.tflow() for _ in range(50)]
     for n, flow in enumerate(flows):
