@@ -1,6 +1,7 @@
 """Requests per second and CPU per request of two crossbar trees and bare mitmdump, side by side.
 
-    .venv/bin/python bench/rps_ab.py OTHER_TREE [--windows N] [--pin] [--replicas K] [--out FILE.json]
+    .venv/bin/python bench/rps_ab.py OTHER_TREE [--windows N] [--pin] [--replicas K] [--seconds S]
+                                     [--out FILE.json]
 
 OTHER_TREE is another checkout of crossbar (say `git worktree add /tmp/before <commit>`); it runs
 from this tree's virtualenv. The load is the pressure section's (16 keep-alive clients, small

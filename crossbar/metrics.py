@@ -3,14 +3,14 @@
 Counters and histograms are updated for every request, within 50 ms of its end
 (`Router.account_finished`, which every scrape calls first). prometheus-client's own `Counter` and
 `Histogram` take a lock on every update, check the label values on every `labels()` call and walk
-the buckets one by one: well over a hundred Python lines a request. They
-are plain accumulators here instead (`CounterFamily`, `HistogramFamily`: one dict lookup and an
-add, a bucket found by bisection), turned into prometheus-client's metric families only at scrape
-time by the registry, so the exposition is the one prometheus-client's classes give, `_created`
-samples included. No lock is needed: every update (the request hooks, the lease table's listeners)
-and every scrape (the admin API's handler calls `exposition()` without leaving the loop) runs on
-the event loop's thread. A scrape moved to another thread would need one: a request's ending can
-add a series to a dict while `collect` iterates it.
+the buckets one by one: well over a hundred Python lines a request. They are plain accumulators
+here instead (`CounterFamily`, `HistogramFamily`: one dict lookup and an add, a bucket found by
+bisection), turned into prometheus-client's metric families only at scrape time by the registry, so
+the exposition is the one prometheus-client's classes give, `_created` samples included. No lock is
+needed: every update (the request hooks, the lease table's listeners) and every scrape (the admin
+API's handler calls `exposition()` without leaving the loop) runs on the event loop's thread. A
+scrape moved to another thread would need one: a request's ending can add a series to a dict while
+`collect` iterates it.
 
 A family keeps one series per set of label values, for as long as the process runs. The values
 come from the configuration (routes, hosts, models, reasons) and from status codes, never from

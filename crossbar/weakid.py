@@ -57,7 +57,8 @@ class WeakIdDict[K, V]:
         if entry is not None and entry[0]() is key:
             self._entries[at] = (entry[0], value)
             return
-        self._entries[at] = (weakref.ref(key, _noter(self._dead, at)), value)
+        dead = self._dead  # the callback holds the list, not the dictionary; appending is one step
+        self._entries[at] = (weakref.ref(key, lambda ref: dead.append((at, ref))), value)
 
     def setdefault(self, key: K, default: V) -> V:
         value = self.get(key, _MISSING)
@@ -96,12 +97,3 @@ class WeakIdDict[K, V]:
             entry = self._entries.get(at)
             if entry is not None and entry[0] is ref:  # not a later key's entry under the same id
                 del self._entries[at]
-
-
-def _noter[K](dead: list[tuple[int, weakref.ref[K]]], at: int) -> Any:
-    """The callback of the reference kept for the key at `at`: notes it dead (appending to a list
-    is one step, whatever the collector interrupts). It holds the list, not the dictionary."""
-    def note(ref: weakref.ref[K]) -> None:
-        dead.append((at, ref))
-
-    return note
