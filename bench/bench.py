@@ -110,14 +110,16 @@ class Plan:
     conversations: int = 12
     turns: int = 20
     in_flight: int = 5
-    rps_windows: int = 40  # per proxy; each crossbar window beside a bare mitmdump window (12 were too
-    # few here: one run's pair ratios spanned 0.60 to 1.55)
-    rps_window_s: float = 1.0
+    rps_windows: int = 60  # rounds; each a window of every process of each kind (12 were too few
+    # here: one run's pair ratios spanned 0.60 to 1.55)
+    rps_window_s: float = 0.5
+    rps_processes: int = 2  # of each proxy: one process's rate depends on its luck (hash seed, layout)
     stall_rounds: int = 5  # per proxy, interleaved; each a quiet and a loaded neighbour stream
 
 
 QUICK = Plan(overhead_n=15, overhead_warmup=2, decision_n={"4 KiB": 300, "1 MiB": 30},
-             conversations=6, turns=8, in_flight=3, rps_windows=2, rps_window_s=1.0, stall_rounds=2)
+             conversations=6, turns=8, in_flight=3, rps_windows=2, rps_window_s=1.0, rps_processes=1,
+             stall_rounds=2)
 REAL = Plan(max_tokens=16, token_ms=math.nan)  # token_ms: the real server's own pace, not set
 REAL_QUICK = Plan(overhead_n=15, overhead_warmup=2, max_tokens=16, token_ms=math.nan,
                   decision_n={"4 KiB": 300, "1 MiB": 30}, conversations=6, turns=8, in_flight=3)
@@ -1204,6 +1206,7 @@ def affinity_table(scenarios: dict[str, Any], plan: Plan, lab: Lab | None = None
 
 
 RPS_CLIENTS = 16
+RPS_WARMUP_S = 0.5  # per process, before the first window
 RPS_TARGET = 0.95  # crossbar's requests per second >= 0.95 x bare mitmdump's
 STALL_TARGET_MS = 20.0  # a neighbour stream's largest gap grows by less than this
 RSS_TARGET = 1.10  # RSS after the aborted uploads <= 1.1 x warm
@@ -1234,9 +1237,9 @@ def many_messages_body(size: int) -> bytes:
     return body[:-len(tail)] + b" " * (size - len(body)) + tail
 
 
-async def rps_window(proxy: Proxy, seconds: float) -> tuple[float, int]:
-    """Requests per second of RPS_CLIENTS keep-alive clients sending small non-streamed chats."""
-    conns = [Conn(proxy.bulk_port) for _ in range(RPS_CLIENTS)]
+async def rps_window(proxy: Proxy, seconds: float, conns: Sequence[Conn]) -> tuple[float, int]:
+    """Requests per second of `conns` (keep-alive clients of `proxy`) sending small non-streamed
+    chats for `seconds`, and how many failed."""
     stop_at = time.monotonic() + seconds
     done = errors = 0
 
@@ -1252,11 +1255,7 @@ async def rps_window(proxy: Proxy, seconds: float) -> tuple[float, int]:
             done, errors = done + (got.status == 200), errors + (got.status != 200)
 
     started = time.monotonic()
-    try:
-        await asyncio.gather(*(client(c, k) for k, c in enumerate(conns)))
-    finally:
-        for conn in conns:
-            await conn.close()
+    await asyncio.gather(*(client(c, k) for k, c in enumerate(conns)))
     return done / (time.monotonic() - started), errors
 
 
@@ -1277,20 +1276,39 @@ class Windows:
 
 async def rotating_windows(proxies: Sequence[Proxy], windows: int, seconds: float) -> Windows:
     """`windows` rounds of one window per proxy, the order rotating each round. This machine's
-    speed drifts (a shared host), so a round compares the proxies at nearly the same moment. CPU
-    time per request (all the proxy's threads) is read around each window."""
+    speed drifts (a shared host), so a round compares the proxies at nearly the same moment. Each
+    proxy keeps its RPS_CLIENTS keep-alive connections from one window to the next (a window
+    measures requests, not connection set-up, and can be short). CPU time per request (all the
+    proxy's threads) is read around each window."""
     out = Windows({p.name: [] for p in proxies}, {p.name: [] for p in proxies}, {p.name: 0 for p in proxies})
-    for window in range(windows):
-        shift = window % len(proxies)
-        for proxy in [*proxies[shift:], *proxies[:shift]]:
-            pid = proxy.proc.popen.pid
-            before = cpu_seconds(pid)
-            value, failed = await rps_window(proxy, seconds)
-            used = cpu_seconds(pid) - before
-            out.rps[proxy.name].append(value)
-            out.cpu_us[proxy.name].append(used / max(1.0, value * seconds) * 1e6)
-            out.errors[proxy.name] += failed
+    pools = {p.name: [Conn(p.bulk_port) for _ in range(RPS_CLIENTS)] for p in proxies}
+    try:
+        for proxy in proxies:  # warm-up: connections open, caches and specialised code warm
+            await rps_window(proxy, RPS_WARMUP_S, pools[proxy.name])
+        for window in range(windows):
+            shift = window % len(proxies)
+            for proxy in [*proxies[shift:], *proxies[:shift]]:
+                pid = proxy.proc.popen.pid
+                before = cpu_seconds(pid)
+                value, failed = await rps_window(proxy, seconds, pools[proxy.name])
+                used = cpu_seconds(pid) - before
+                out.rps[proxy.name].append(value)
+                out.cpu_us[proxy.name].append(used / max(1.0, value * seconds) * 1e6)
+                out.errors[proxy.name] += failed
+    finally:
+        for conns in pools.values():
+            for conn in conns:
+                await conn.close()
     return out
+
+
+def by_kind(figures: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per kind of proxy (its name up to "#": "crossbar#1" is a second crossbar process), each
+    round's mean over the kind's processes."""
+    kinds: dict[str, list[list[float]]] = {}
+    for name, values in figures.items():
+        kinds.setdefault(name.partition("#")[0], []).append(values)
+    return {kind: [sum(r) / len(r) for r in zip(*replicas, strict=True)] for kind, replicas in kinds.items()}
 
 
 def pair_ratio(a: Sequence[float], b: Sequence[float]) -> float:
@@ -1300,13 +1318,20 @@ def pair_ratio(a: Sequence[float], b: Sequence[float]) -> float:
 
 async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
     """Crossbar beside bare mitmdump in rotating windows; the ratio reported is the median of the
-    rounds' ratios. CPU time per request is the other view."""
+    rounds' ratios, each round's figure of a kind the mean of its processes. CPU time per request
+    is the other view."""
     w = await rotating_windows(proxies, plan.rps_windows, plan.rps_window_s)
-    result: dict[str, Any] = {name: {"windows": values, "median": pct(values, 50), "errors": w.errors[name],
-                                     "cpu_us_per_request": pct(w.cpu_us[name], 50)}
-                              for name, values in w.rps.items()}
-    result["pair_ratios"] = [ratio(x, b) for x, b in zip(w.rps["crossbar"], w.rps["mitmdump"], strict=True)]
-    result["ratio"] = pair_ratio(w.rps["crossbar"], w.rps["mitmdump"])
+    rps, cpu_us = by_kind(w.rps), by_kind(w.cpu_us)
+    errors: dict[str, int] = {}
+    for name, failed in w.errors.items():
+        kind = name.partition("#")[0]
+        errors[kind] = errors.get(kind, 0) + failed
+    result: dict[str, Any] = {kind: {"windows": values, "median": pct(values, 50), "errors": errors[kind],
+                                     "cpu_us_per_request": pct(cpu_us[kind], 50)}
+                              for kind, values in rps.items()}
+    result["processes"] = len(proxies) // len(rps)
+    result["pair_ratios"] = [ratio(x, b) for x, b in zip(rps["crossbar"], rps["mitmdump"], strict=True)]
+    result["ratio"] = pair_ratio(rps["crossbar"], rps["mitmdump"])
     return result
 
 
@@ -1384,34 +1409,38 @@ def rss_kib(pid: int) -> int:
 
 @contextlib.asynccontextmanager
 async def pressure_proxies(plan: Plan, workdir: Path) -> AsyncIterator[tuple[list[Proxy], int]]:
-    """A stamped sim for the neighbour streams, a fast 16-slot sim for bulk work, and both proxies
-    in front of them (crossbar: route `bench` and route `bulk`; bare mitmdump: one listener each)."""
-    sim_port, bulk_port, xb_port = free_port(), free_port(), free_port()
-    mitm_stream, mitm_bulk = free_port(), free_port()
-    config = write_crossbar_toml(workdir / "pressure.toml", xb_port, workdir / "pressure.db",
-                                 {"sim": sim_port, "fast": bulk_port}, "bench", poll_interval="30s",
-                                 parallel=2, own_routes={"bulk": ("fast", RPS_CLIENTS)})
+    """A stamped sim for the neighbour streams, a fast 16-slot sim for bulk work, and
+    `plan.rps_processes` processes of each proxy in front of them (crossbar: route `bench` and
+    route `bulk`; bare mitmdump: one listener each). The first of each kind is named "mitmdump" and
+    "crossbar", the others "mitmdump#1", "crossbar#1", ..."""
+    sim_port, bulk_port = free_port(), free_port()
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(running("sim", sim_cmd(sim_port, plan.token_ms, plan.max_tokens),
                                                 workdir, sim_port, "/health"))
         await stack.enter_async_context(running("bulk-sim", sim_cmd(bulk_port, 0.0, 1, slots=RPS_CLIENTS),
                                                 workdir, bulk_port, "/health"))
-        mitm = await stack.enter_async_context(running(
-            "mitmdump", bare_mitmdump_cmd({mitm_stream: sim_port, mitm_bulk: bulk_port}, config), workdir,
-            mitm_stream, "/health"))
-        xb = await stack.enter_async_context(running("crossbar", crossbar_cmd(config), workdir, xb_port,
-                                                     "/_crossbar/hosts"))
-        yield ([Proxy("mitmdump", mitm, mitm_stream, CHAT, mitm_bulk, ""),
-                Proxy("crossbar", xb, xb_port, "/bench" + CHAT, xb_port, "/bulk")],
-               load_config(config).max_body)
+        proxies: list[Proxy] = []
+        for n in range(max(1, plan.rps_processes)):
+            tag = f"#{n}" if n else ""
+            xb_port, mitm_stream, mitm_bulk = free_port(), free_port(), free_port()
+            config = write_crossbar_toml(workdir / f"pressure{n}.toml", xb_port, workdir / f"pressure{n}.db",
+                                         {"sim": sim_port, "fast": bulk_port}, "bench", poll_interval="30s",
+                                         parallel=2, own_routes={"bulk": ("fast", RPS_CLIENTS)})
+            mitm = await stack.enter_async_context(running(
+                f"mitmdump{n}", bare_mitmdump_cmd({mitm_stream: sim_port, mitm_bulk: bulk_port}, config),
+                workdir, mitm_stream, "/health"))
+            xb = await stack.enter_async_context(running(
+                f"crossbar{n}", crossbar_cmd(config), workdir, xb_port, "/_crossbar/hosts"))
+            proxies += [Proxy(f"mitmdump{tag}", mitm, mitm_stream, CHAT, mitm_bulk, ""),
+                        Proxy(f"crossbar{tag}", xb, xb_port, "/bench" + CHAT, xb_port, "/bulk")]
+        yield proxies, load_config(config).max_body
 
 
 async def run_pressure(plan: Plan, workdir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"rps": {}, "stall": {}, "rss": {}}
-    async with pressure_proxies(plan, workdir) as (proxies, max_body):
-        for proxy in proxies:  # warm-up
-            await rps_window(proxy, 0.5)
-        result["rps"] = await measure_rps(proxies, plan)
+    async with pressure_proxies(plan, workdir) as (every, max_body):
+        result["rps"] = await measure_rps(every, plan)
+        proxies = [p for p in every if "#" not in p.name]  # one of each kind for stalls and memory
         upload = many_messages_body(max_body)
         answer_body = json.dumps({"model": MODEL, "input": [f"text {i}" for i in range(BIG_ANSWER_INPUTS)]}
                                  ).encode()
@@ -1436,7 +1465,7 @@ async def run_pressure(plan: Plan, workdir: Path) -> dict[str, Any]:
 
 
 def pressure_table(r: dict[str, Any], plan: Plan) -> str:
-    rps = markdown(["proxy", "requests/s (median of windows)", "CPU per request (µs, median)", "windows",
+    rps = markdown(["proxy", "requests/s (median of rounds)", "CPU per request (µs, median)", "rounds",
                     "errors"],
                    [[name, fmt(r["rps"][name]["median"], 0), fmt(r["rps"][name]["cpu_us_per_request"], 0),
                      " / ".join(fmt(v, 0) for v in r["rps"][name]["windows"]), str(r["rps"][name]["errors"])]
@@ -1453,9 +1482,11 @@ def pressure_table(r: dict[str, Any], plan: Plan) -> str:
                     for name, m in r["rss"].items()])
     cpu = ratio(r["rps"]["crossbar"]["cpu_us_per_request"], r["rps"]["mitmdump"]["cpu_us_per_request"])
     return (f"Requests per second: {RPS_CLIENTS} keep-alive clients, small non-streamed chats to a simulated "
-            f"host that answers at once, {plan.rps_windows} windows of {plan.rps_window_s:g} s per proxy "
-            "in pairs "
-            f"(target: crossbar >= {RPS_TARGET} x mitmdump; median of the pairs' ratios "
+            "host that answers at once over connections kept from window to window; "
+            f"{plan.rps_windows} rounds, each a {plan.rps_window_s:g} s window of every process, "
+            f"{r['rps']['processes']} process(es) of each proxy, a round's figure of a proxy the mean of "
+            "its processes "
+            f"(target: crossbar >= {RPS_TARGET} x mitmdump; median of the rounds' ratios "
             f"{fmt(r['rps']['ratio'])}; CPU per request, crossbar / mitmdump "
             f"{fmt(cpu)}).\n\n"
             + rps + f"\n\nStalls: a neighbour stream ({NEIGHBOUR_TOKENS} tokens, {plan.token_ms:g} ms apart) "

@@ -90,21 +90,11 @@ async def measure(other: Path, windows: int, proxy_cpus: set[int] | None = None,
             return await rounds(proxies, windows, seconds)
 
 
-def by_kind(figures: dict[str, list[float]]) -> dict[str, list[float]]:
-    """Per kind ("mitmdump", "this", "other"), each round's mean over the kind's replicas."""
-    kinds: dict[str, list[list[float]]] = {}
-    for name, values in figures.items():
-        kinds.setdefault(name.partition("#")[0], []).append(values)
-    return {kind: [sum(r) / len(r) for r in zip(*replicas, strict=True)] for kind, replicas in kinds.items()}
-
-
 async def rounds(proxies: Sequence[bench.Proxy], windows: int, seconds: float = 1.0) -> dict[str, Any]:
-    for proxy in proxies:  # warm-up
-        await bench.rps_window(proxy, 0.5)
     w = await bench.rotating_windows(proxies, windows, seconds)
     if failed := {name: n for name, n in w.errors.items() if n}:
         raise RuntimeError(f"requests failed: {failed}")
-    rps, cpu_us = by_kind(w.rps), by_kind(w.cpu_us)
+    rps, cpu_us = bench.by_kind(w.rps), bench.by_kind(w.cpu_us)
     result: dict[str, Any] = {"windows": windows, "replicas": len(proxies) // 3, "rps": w.rps,
                               "cpu_us_per_request": w.cpu_us}
     for name in ("this", "other"):

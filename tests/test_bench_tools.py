@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -113,4 +115,40 @@ def test_the_counting_script_takes_a_second_start_and_a_stop_without_one(tmp_pat
 def test_replicas_are_averaged_round_by_round_per_kind() -> None:
     figures = {"mitmdump#0": [10.0, 20.0], "this#0": [8.0, 18.0], "mitmdump#1": [12.0, 22.0],
                "this#1": [10.0, 20.0]}
-    assert rps_ab.by_kind(figures) == {"mitmdump": [11.0, 21.0], "this": [9.0, 19.0]}
+    assert bench.by_kind(figures) == {"mitmdump": [11.0, 21.0], "this": [9.0, 19.0]}
+
+
+async def _counting_server(connections: list[int]) -> asyncio.Server:
+    """A keep-alive HTTP/1.1 server on loopback answering every POST with a small JSON body;
+    `connections` gets one entry per connection it accepts."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    return await asyncio.start_server(serve, bench.LOOPBACK, 0)
+
+
+async def test_rate_windows_keep_their_connections_from_one_window_to_the_next() -> None:
+    connections: list[int] = []
+    server = await _counting_server(connections)
+    port = server.sockets[0].getsockname()[1]
+    this = SimpleNamespace(popen=SimpleNamespace(pid=os.getpid()))  # CPU time is read from this process
+    proxies = [bench.Proxy(name, this, port, "", port, "") for name in ("mitmdump", "crossbar")]
+    try:
+        w = await bench.rotating_windows(proxies, windows=3, seconds=0.1)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert len(connections) == 2 * bench.RPS_CLIENTS  # opened once per proxy, warm-up included
+    assert all(len(values) == 3 and min(values) > 0 for values in w.rps.values())
+    assert w.errors == {"mitmdump": 0, "crossbar": 0}
