@@ -424,6 +424,7 @@ class Conn:
         # llama-server closes the connection after every streamed reply (though it says keep-alive):
         # once seen, each request opens a new connection, inside its TTFB, as a direct client must
         self.closes_after_reply = False
+        self.opened = 0  # connections opened so far
 
     async def close(self) -> None:
         if self.writer is not None:
@@ -444,6 +445,7 @@ class Conn:
         reused = self.writer is not None
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(LOOPBACK, self.port)
+            self.opened += 1
         assert self.reader is not None and self.writer is not None
         try:
             self.writer.write(head + body)
@@ -1237,9 +1239,10 @@ def many_messages_body(size: int) -> bytes:
     return body[:-len(tail)] + b" " * (size - len(body)) + tail
 
 
-async def rps_window(proxy: Proxy, seconds: float, conns: Sequence[Conn]) -> tuple[float, int]:
+async def rps_window(proxy: Proxy, seconds: float, conns: Sequence[Conn]) -> tuple[float, int, int]:
     """Requests per second of `conns` (keep-alive clients of `proxy`) sending small non-streamed
-    chats for `seconds`, and how many failed."""
+    chats for `seconds` (each client's last request may end after that), how many were answered
+    200 and how many were not."""
     stop_at = time.monotonic() + seconds
     done = errors = 0
 
@@ -1256,7 +1259,7 @@ async def rps_window(proxy: Proxy, seconds: float, conns: Sequence[Conn]) -> tup
 
     started = time.monotonic()
     await asyncio.gather(*(client(c, k) for k, c in enumerate(conns)))
-    return done / (time.monotonic() - started), errors
+    return done / (time.monotonic() - started), done, errors
 
 
 def cpu_seconds(pid: int) -> float:
@@ -1267,11 +1270,16 @@ def cpu_seconds(pid: int) -> float:
 
 @dataclass
 class Windows:
-    """Per proxy name: requests/s of each window, CPU µs per request of each window, failures."""
+    """Per proxy name: requests/s of each window, CPU µs per request of each window, failures,
+    connections opened again after the first (a server closed one: later windows then pay
+    connection set-up), and CPU µs per request over the whole run (the store's writer commits a
+    window's rows up to a second later, often outside that window)."""
 
     rps: dict[str, list[float]]
     cpu_us: dict[str, list[float]]
     errors: dict[str, int]
+    reopened: dict[str, int] = field(default_factory=dict)
+    cpu_us_whole: dict[str, float] = field(default_factory=dict)
 
 
 async def rotating_windows(proxies: Sequence[Proxy], windows: int, seconds: float) -> Windows:
@@ -1279,22 +1287,30 @@ async def rotating_windows(proxies: Sequence[Proxy], windows: int, seconds: floa
     speed drifts (a shared host), so a round compares the proxies at nearly the same moment. Each
     proxy keeps its RPS_CLIENTS keep-alive connections from one window to the next (a window
     measures requests, not connection set-up, and can be short). CPU time per request (all the
-    proxy's threads) is read around each window."""
+    proxy's threads) is read around each window, and around the whole run."""
     out = Windows({p.name: [] for p in proxies}, {p.name: [] for p in proxies}, {p.name: 0 for p in proxies})
     pools = {p.name: [Conn(p.bulk_port) for _ in range(RPS_CLIENTS)] for p in proxies}
     try:
         for proxy in proxies:  # warm-up: connections open, caches and specialised code warm
-            await rps_window(proxy, RPS_WARMUP_S, pools[proxy.name])
+            _, _, failed = await rps_window(proxy, RPS_WARMUP_S, pools[proxy.name])
+            out.errors[proxy.name] += failed
+        first = {p.name: cpu_seconds(p.proc.popen.pid) for p in proxies}
+        answered = {p.name: 0 for p in proxies}
         for window in range(windows):
             shift = window % len(proxies)
             for proxy in [*proxies[shift:], *proxies[:shift]]:
                 pid = proxy.proc.popen.pid
                 before = cpu_seconds(pid)
-                value, failed = await rps_window(proxy, seconds, pools[proxy.name])
+                value, done, failed = await rps_window(proxy, seconds, pools[proxy.name])
                 used = cpu_seconds(pid) - before
                 out.rps[proxy.name].append(value)
-                out.cpu_us[proxy.name].append(used / max(1.0, value * seconds) * 1e6)
+                out.cpu_us[proxy.name].append(used / max(1, done) * 1e6)
                 out.errors[proxy.name] += failed
+                answered[proxy.name] += done
+        for p in proxies:
+            used = cpu_seconds(p.proc.popen.pid) - first[p.name]
+            out.cpu_us_whole[p.name] = used / max(1, answered[p.name]) * 1e6
+            out.reopened[p.name] = sum(conn.opened for conn in pools[p.name]) - RPS_CLIENTS
     finally:
         for conns in pools.values():
             for conn in conns:
@@ -1322,17 +1338,30 @@ async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
     is the other view."""
     w = await rotating_windows(proxies, plan.rps_windows, plan.rps_window_s)
     rps, cpu_us = by_kind(w.rps), by_kind(w.cpu_us)
-    errors: dict[str, int] = {}
-    for name, failed in w.errors.items():
-        kind = name.partition("#")[0]
-        errors[kind] = errors.get(kind, 0) + failed
-    result: dict[str, Any] = {kind: {"windows": values, "median": pct(values, 50), "errors": errors[kind],
-                                     "cpu_us_per_request": pct(cpu_us[kind], 50)}
+    result: dict[str, Any] = {kind: {"rounds": values, "median": pct(values, 50),
+                                     "errors": _kind_sum(w.errors, kind),
+                                     "reopened": _kind_sum(w.reopened, kind),
+                                     "cpu_us_per_request": pct(cpu_us[kind], 50),
+                                     "cpu_us_per_request_whole_run": _kind_mean(w.cpu_us_whole, kind)}
                               for kind, values in rps.items()}
     result["processes"] = len(proxies) // len(rps)
+    result["per_process"] = {"rps": w.rps, "cpu_us_per_request": w.cpu_us}
     result["pair_ratios"] = [ratio(x, b) for x, b in zip(rps["crossbar"], rps["mitmdump"], strict=True)]
     result["ratio"] = pair_ratio(rps["crossbar"], rps["mitmdump"])
     return result
+
+
+def _of_kind(figures: dict[str, Any], kind: str) -> list[Any]:
+    return [value for name, value in figures.items() if name.partition("#")[0] == kind]
+
+
+def _kind_sum(figures: dict[str, int], kind: str) -> int:
+    return sum(_of_kind(figures, kind))
+
+
+def _kind_mean(figures: dict[str, float], kind: str) -> float:
+    values = _of_kind(figures, kind)
+    return sum(values) / len(values) if values else math.nan
 
 
 async def neighbour(proxy: Proxy) -> tuple[float, float]:
@@ -1465,11 +1494,12 @@ async def run_pressure(plan: Plan, workdir: Path) -> dict[str, Any]:
 
 
 def pressure_table(r: dict[str, Any], plan: Plan) -> str:
-    rps = markdown(["proxy", "requests/s (median of rounds)", "CPU per request (µs, median)", "rounds",
-                    "errors"],
-                   [[name, fmt(r["rps"][name]["median"], 0), fmt(r["rps"][name]["cpu_us_per_request"], 0),
-                     " / ".join(fmt(v, 0) for v in r["rps"][name]["windows"]), str(r["rps"][name]["errors"])]
-                    for name in ("mitmdump", "crossbar")])
+    rps = markdown(["proxy", "requests/s (median of rounds)", "CPU per request (µs, median of windows)",
+                    "CPU per request (µs, whole run)", "rounds", "errors", "connections reopened"],
+                   [[name, fmt(k["median"], 0), fmt(k["cpu_us_per_request"], 0),
+                     fmt(k["cpu_us_per_request_whole_run"], 0), " / ".join(fmt(v, 0) for v in k["rounds"]),
+                     str(k["errors"]), str(k["reopened"])]
+                    for name, k in ((name, r["rps"][name]) for name in ("mitmdump", "crossbar"))])
     stall = markdown(["proxy", "neighbour's largest gap, quiet (p50)", "under load (p50)", "growth p50",
                       "growth worst", "largest event delay under load"],
                      [[name, fmt(s["quiet_gap_p50_ms"]), fmt(s["loaded_gap_p50_ms"]),
@@ -1481,14 +1511,16 @@ def pressure_table(r: dict[str, Any], plan: Plan) -> str:
                      fmt(m["after_kib"] / 1024, 0), fmt(m["after_over_warm"])]
                     for name, m in r["rss"].items()])
     cpu = ratio(r["rps"]["crossbar"]["cpu_us_per_request"], r["rps"]["mitmdump"]["cpu_us_per_request"])
+    cpu_whole = ratio(r["rps"]["crossbar"]["cpu_us_per_request_whole_run"],
+                      r["rps"]["mitmdump"]["cpu_us_per_request_whole_run"])
     return (f"Requests per second: {RPS_CLIENTS} keep-alive clients, small non-streamed chats to a simulated "
             "host that answers at once over connections kept from window to window; "
             f"{plan.rps_windows} rounds, each a {plan.rps_window_s:g} s window of every process, "
             f"{r['rps']['processes']} process(es) of each proxy, a round's figure of a proxy the mean of "
             "its processes "
             f"(target: crossbar >= {RPS_TARGET} x mitmdump; median of the rounds' ratios "
-            f"{fmt(r['rps']['ratio'])}; CPU per request, crossbar / mitmdump "
-            f"{fmt(cpu)}).\n\n"
+            f"{fmt(r['rps']['ratio'])}; CPU per request, crossbar / mitmdump, {fmt(cpu)} over the windows, "
+            f"{fmt(cpu_whole)} over the whole run; a connection reopened pays set-up in later windows).\n\n"
             + rps + f"\n\nStalls: a neighbour stream ({NEIGHBOUR_TOKENS} tokens, {plan.token_ms:g} ms apart) "
             f"alone, then again while one client sends a {fmt(r['upload_mib'], 1)} MiB (max_body) chat of "
             f"small messages and another receives a ~{fmt(r['stall']['crossbar']['answer_mib'], 0)} MiB "

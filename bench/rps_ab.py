@@ -94,9 +94,12 @@ async def rounds(proxies: Sequence[bench.Proxy], windows: int, seconds: float = 
     w = await bench.rotating_windows(proxies, windows, seconds)
     if failed := {name: n for name, n in w.errors.items() if n}:
         raise RuntimeError(f"requests failed: {failed}")
+    if reopened := {name: n for name, n in w.reopened.items() if n}:
+        print(f"warning: connections reopened (those windows paid connection set-up): {reopened}",
+              file=sys.stderr)
     rps, cpu_us = bench.by_kind(w.rps), bench.by_kind(w.cpu_us)
     result: dict[str, Any] = {"windows": windows, "replicas": len(proxies) // 3, "rps": w.rps,
-                              "cpu_us_per_request": w.cpu_us}
+                              "cpu_us_per_request": w.cpu_us, "reopened": w.reopened}
     for name in ("this", "other"):
         result[name] = {"rps_ratio": bench.pair_ratio(rps[name], rps["mitmdump"]),
                         "cpu_ratio": bench.pair_ratio(cpu_us[name], cpu_us["mitmdump"]),

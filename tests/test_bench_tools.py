@@ -118,14 +118,17 @@ def test_replicas_are_averaged_round_by_round_per_kind() -> None:
     assert bench.by_kind(figures) == {"mitmdump": [11.0, 21.0], "this": [9.0, 19.0]}
 
 
-async def _counting_server(connections: list[int]) -> asyncio.Server:
-    """A keep-alive HTTP/1.1 server on loopback answering every POST with a small JSON body;
-    `connections` gets one entry per connection it accepts."""
+async def _counting_server(connections: list[int], answers_per_connection: int = 0) -> asyncio.Server:
+    """A keep-alive HTTP/1.1 server on loopback answering every POST with a small JSON body,
+    closing a connection after `answers_per_connection` answers (0: never); `connections` gets
+    one entry per connection it accepts."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(1)
+        answered = 0
         try:
-            while True:
+            while answers_per_connection == 0 or answered < answers_per_connection:
+                answered += 1
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length:"))
@@ -133,22 +136,38 @@ async def _counting_server(connections: list[int]) -> asyncio.Server:
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
+            pass
+        writer.close()
 
     return await asyncio.start_server(serve, bench.LOOPBACK, 0)
 
 
-async def test_rate_windows_keep_their_connections_from_one_window_to_the_next() -> None:
+async def _windows(answers_per_connection: int = 0) -> tuple[bench.Windows, int]:
+    """Three rounds of 0.1 s windows of two "proxies" that are one counting server; the windows
+    and how many connections the server accepted."""
     connections: list[int] = []
-    server = await _counting_server(connections)
+    server = await _counting_server(connections, answers_per_connection)
     port = server.sockets[0].getsockname()[1]
     this = SimpleNamespace(popen=SimpleNamespace(pid=os.getpid()))  # CPU time is read from this process
     proxies = [bench.Proxy(name, this, port, "", port, "") for name in ("mitmdump", "crossbar")]
     try:
-        w = await bench.rotating_windows(proxies, windows=3, seconds=0.1)
+        return await bench.rotating_windows(proxies, windows=3, seconds=0.1), len(connections)
     finally:
         server.close()
         await server.wait_closed()
-    assert len(connections) == 2 * bench.RPS_CLIENTS  # opened once per proxy, warm-up included
+
+
+async def test_rate_windows_keep_their_connections_from_one_window_to_the_next() -> None:
+    w, connections = await _windows()
+    assert connections == 2 * bench.RPS_CLIENTS  # opened once per proxy, warm-up included
+    assert w.reopened == {"mitmdump": 0, "crossbar": 0}
     assert all(len(values) == 3 and min(values) > 0 for values in w.rps.values())
     assert w.errors == {"mitmdump": 0, "crossbar": 0}
+    assert all(value > 0 for value in w.cpu_us_whole.values())
+
+
+async def test_a_connection_the_server_closed_is_reported_as_reopened() -> None:
+    w, connections = await _windows(answers_per_connection=1)
+    assert connections > 2 * bench.RPS_CLIENTS
+    assert sum(w.reopened.values()) == connections - 2 * bench.RPS_CLIENTS
+    assert w.errors == {"mitmdump": 0, "crossbar": 0}  # each request still answered
