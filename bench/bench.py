@@ -1493,13 +1493,17 @@ async def run_pressure(plan: Plan, workdir: Path) -> dict[str, Any]:
     return result
 
 
+def _rps_row(name: str, kind: dict[str, Any]) -> list[str]:
+    """One proxy's row of the requests-per-second table."""
+    return [name, fmt(kind["median"], 0), fmt(kind["cpu_us_per_request"], 0),
+            fmt(kind["cpu_us_per_request_whole_run"], 0), " / ".join(fmt(v, 0) for v in kind["rounds"]),
+            str(kind["errors"]), str(kind["reopened"])]
+
+
 def pressure_table(r: dict[str, Any], plan: Plan) -> str:
     rps = markdown(["proxy", "requests/s (median of rounds)", "CPU per request (µs, median of windows)",
                     "CPU per request (µs, whole run)", "rounds", "errors", "connections reopened"],
-                   [[name, fmt(k["median"], 0), fmt(k["cpu_us_per_request"], 0),
-                     fmt(k["cpu_us_per_request_whole_run"], 0), " / ".join(fmt(v, 0) for v in k["rounds"]),
-                     str(k["errors"]), str(k["reopened"])]
-                    for name, k in ((name, r["rps"][name]) for name in ("mitmdump", "crossbar"))])
+                   [_rps_row(name, r["rps"][name]) for name in ("mitmdump", "crossbar")])
     stall = markdown(["proxy", "neighbour's largest gap, quiet (p50)", "under load (p50)", "growth p50",
                       "growth worst", "largest event delay under load"],
                      [[name, fmt(s["quiet_gap_p50_ms"]), fmt(s["loaded_gap_p50_ms"]),
