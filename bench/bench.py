@@ -1318,12 +1318,16 @@ async def rotating_windows(proxies: Sequence[Proxy], windows: int, seconds: floa
     return out
 
 
+def kind_of(name: str) -> str:
+    """A proxy process's kind: its name up to "#" ("crossbar#1" is a second crossbar process)."""
+    return name.partition("#")[0]
+
+
 def by_kind(figures: dict[str, list[float]]) -> dict[str, list[float]]:
-    """Per kind of proxy (its name up to "#": "crossbar#1" is a second crossbar process), each
-    round's mean over the kind's processes."""
+    """Per kind of proxy, each round's mean over the kind's processes."""
     kinds: dict[str, list[list[float]]] = {}
     for name, values in figures.items():
-        kinds.setdefault(name.partition("#")[0], []).append(values)
+        kinds.setdefault(kind_of(name), []).append(values)
     return {kind: [sum(r) / len(r) for r in zip(*replicas, strict=True)] for kind, replicas in kinds.items()}
 
 
@@ -1352,7 +1356,7 @@ async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
 
 
 def _of_kind(figures: dict[str, Any], kind: str) -> list[Any]:
-    return [value for name, value in figures.items() if name.partition("#")[0] == kind]
+    return [value for name, value in figures.items() if kind_of(name) == kind]
 
 
 def _kind_sum(figures: dict[str, int], kind: str) -> int:
@@ -1469,7 +1473,7 @@ async def run_pressure(plan: Plan, workdir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"rps": {}, "stall": {}, "rss": {}}
     async with pressure_proxies(plan, workdir) as (every, max_body):
         result["rps"] = await measure_rps(every, plan)
-        proxies = [p for p in every if "#" not in p.name]  # one of each kind for stalls and memory
+        proxies = [p for p in every if p.name == kind_of(p.name)]  # the first of each kind: stalls, memory
         upload = many_messages_body(max_body)
         answer_body = json.dumps({"model": MODEL, "input": [f"text {i}" for i in range(BIG_ANSWER_INPUTS)]}
                                  ).encode()
