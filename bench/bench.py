@@ -1336,6 +1336,20 @@ def pair_ratio(a: Sequence[float], b: Sequence[float]) -> float:
     return pct([ratio(x, y) for x, y in zip(a, b, strict=True)], 50)
 
 
+def median_interval(values: Sequence[float], level: float = 0.95, resamples: int = 2000,
+                    seed: int = 0) -> tuple[float, float]:
+    """Where the median of `values` would likely fall in another run like this one: the central
+    `level` of the medians of `resamples` bootstrap samples (the values drawn again with
+    replacement, as many as there are). Seeded, so one run's figures always give one interval."""
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return math.nan, math.nan
+    draw = random.Random(seed).choices
+    medians = sorted(pct(draw(finite, k=len(finite)), 50) for _ in range(resamples))
+    cut = (1 - level) / 2
+    return medians[int(cut * (resamples - 1))], medians[math.ceil((1 - cut) * (resamples - 1))]
+
+
 async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
     """Crossbar beside bare mitmdump in rotating windows; the ratio reported is the median of the
     rounds' ratios, each round's figure of a kind the mean of its processes. CPU time per request
@@ -1352,6 +1366,7 @@ async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
     result["per_process"] = {"rps": w.rps, "cpu_us_per_request": w.cpu_us}
     result["pair_ratios"] = [ratio(x, b) for x, b in zip(rps["crossbar"], rps["mitmdump"], strict=True)]
     result["ratio"] = pair_ratio(rps["crossbar"], rps["mitmdump"])
+    result["ratio_interval"] = median_interval(result["pair_ratios"])
     return result
 
 
@@ -1527,7 +1542,8 @@ def pressure_table(r: dict[str, Any], plan: Plan) -> str:
             f"{r['rps']['processes']} process(es) of each proxy, a round's figure of a proxy the mean of "
             "its processes "
             f"(target: crossbar >= {RPS_TARGET} x mitmdump; median of the rounds' ratios "
-            f"{fmt(r['rps']['ratio'])}; CPU per request, crossbar / mitmdump, {fmt(cpu)} over the windows, "
+            f"{fmt(r['rps']['ratio'], 3)}, {_interval(r['rps'])}; "
+            f"CPU per request, crossbar / mitmdump, {fmt(cpu)} over the windows, "
             f"{fmt(cpu_whole)} over the whole run; a connection reopened pays set-up in later windows).\n\n"
             + rps + f"\n\nStalls: a neighbour stream ({NEIGHBOUR_TOKENS} tokens, {plan.token_ms:g} ms apart) "
             f"alone, then again while one client sends a {fmt(r['upload_mib'], 1)} MiB (max_body) chat of "
@@ -1538,14 +1554,20 @@ def pressure_table(r: dict[str, Any], plan: Plan) -> str:
             f"(target: after <= {RSS_TARGET} x warm).\n\n" + rss)
 
 
+def _interval(rps: dict[str, Any]) -> str:
+    lo, hi = rps.get("ratio_interval", (math.nan, math.nan))
+    return f"95 % bootstrap interval {fmt(lo, 3)}–{fmt(hi, 3)}"
+
+
 def pressure_checks(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     r = results.get("pressure")
     if not r:
         return []
     growth = r["stall"]["crossbar"]["gap_growth_p50_ms"]
     rss = r["rss"]["crossbar"]["after_over_warm"]
-    return [("requests per second, crossbar / mitmdump", fmt(r["rps"]["ratio"], 3), f">= {RPS_TARGET}",
-             r["rps"]["ratio"] >= RPS_TARGET),
+    rate = r["rps"]["ratio"]
+    return [("requests per second, crossbar / mitmdump", f"{fmt(rate, 3)} ({_interval(r['rps'])})",
+             f">= {RPS_TARGET}", rate >= RPS_TARGET),
             ("neighbour stream's largest gap growth under load, crossbar (ms, p50)", fmt(growth),
              f"< {STALL_TARGET_MS:g}", growth < STALL_TARGET_MS),
             ("RSS after aborted uploads / warm, crossbar", fmt(rss, 3), f"<= {RSS_TARGET}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import textwrap
@@ -45,6 +46,37 @@ def test_rounds_are_compared_pairwise_not_by_their_medians() -> None:
     a, b = [300, 100, 50], [600, 200, 400]
     assert bench.pair_ratio(a, b) == 0.5
     assert bench.pct(a, 50) / bench.pct(b, 50) == 0.25
+
+
+def test_the_ratio_comes_with_the_interval_its_median_would_likely_fall_in() -> None:
+    rounds = [0.80, 0.85, 0.90, 0.92, 0.94, 0.95, 0.96, 0.98, 1.00, 1.05, 1.10, 1.20]
+    lo, hi = bench.median_interval(rounds)
+    assert lo < bench.pct(rounds, 50) < hi
+    assert (lo, hi) == bench.median_interval(list(reversed(rounds)))  # seeded: one run, one interval
+    more_lo, more_hi = bench.median_interval(rounds * 9)  # more rounds alike: a narrower interval
+    assert lo <= more_lo < more_hi <= hi and more_hi - more_lo < (hi - lo) / 2
+    assert bench.median_interval([0.9] * 5) == (0.9, 0.9)
+    assert bench.median_interval([0.9, math.nan, 0.9]) == (0.9, 0.9)  # a round without a figure is left out
+    assert all(math.isnan(v) for v in bench.median_interval([]))
+
+
+async def test_the_tree_comparison_reports_each_ratio_with_its_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    bare = [100.0, 100.0, 100.0, 100.0]
+    windows = bench.Windows(rps={"mitmdump#0": bare, "this#0": [90.0, 95.0, 100.0, 105.0],
+                                 "other#0": [80.0, 80.0, 80.0, 80.0]},
+                            cpu_us={"mitmdump#0": [1.0] * 4, "this#0": [1.1] * 4, "other#0": [1.2] * 4},
+                            errors={"mitmdump#0": 0, "this#0": 0, "other#0": 0})
+
+    async def fake_windows(proxies: object, n: int, seconds: float) -> bench.Windows:
+        return windows
+
+    monkeypatch.setattr(bench, "rotating_windows", fake_windows)
+    result = await rps_ab.rounds([], 4)
+    lo, hi = result["this"]["rps_ratio_interval"]
+    assert 0.9 <= lo <= result["this"]["rps_ratio"] == 0.975 <= hi <= 1.05
+    assert result["other"]["rps_ratio_interval"] == (0.8, 0.8)
+    assert f"{bench.fmt(lo, 3)}–{bench.fmt(hi, 3)}" in rps_ab.table(result, Path("/before"))
 
 
 def test_cpu_time_is_read_for_the_whole_process() -> None:
