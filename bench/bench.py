@@ -1210,6 +1210,8 @@ def affinity_table(scenarios: dict[str, Any], plan: Plan, lab: Lab | None = None
 RPS_CLIENTS = 16
 RPS_WARMUP_S = 0.5  # per process, before the first window
 RPS_TARGET = 0.95  # crossbar's requests per second >= 0.95 x bare mitmdump's
+RATIO_LEVEL = 0.95  # confidence of the interval given with the requests/s ratio
+RATIO_RESAMPLES = 2000  # bootstrap samples behind it
 STALL_TARGET_MS = 20.0  # a neighbour stream's largest gap grows by less than this
 RSS_TARGET = 1.10  # RSS after the aborted uploads <= 1.1 x warm
 ABORTED_UPLOADS = 8
@@ -1331,23 +1333,34 @@ def by_kind(figures: dict[str, list[float]]) -> dict[str, list[float]]:
     return {kind: [sum(r) / len(r) for r in zip(*replicas, strict=True)] for kind, replicas in kinds.items()}
 
 
+def round_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    """Each round's ratio a / b, leaving out the rounds without a finite one (b's window answered
+    nothing, say): the median and its interval are both taken from these."""
+    return [r for r in (ratio(x, y) for x, y in zip(a, b, strict=True)) if math.isfinite(r)]
+
+
 def pair_ratio(a: Sequence[float], b: Sequence[float]) -> float:
     """The median of the rounds' ratios a / b."""
-    return pct([ratio(x, y) for x, y in zip(a, b, strict=True)], 50)
+    return pct(round_ratios(a, b), 50)
 
 
-def median_interval(values: Sequence[float], level: float = 0.95, resamples: int = 2000,
+def median_interval(values: Sequence[float], level: float = RATIO_LEVEL, resamples: int = RATIO_RESAMPLES,
                     seed: int = 0) -> tuple[float, float]:
-    """Where the median of `values` would likely fall in another run like this one: the central
-    `level` of the medians of `resamples` bootstrap samples (the values drawn again with
-    replacement, as many as there are). Seeded, so one run's figures always give one interval."""
-    finite = [v for v in values if not math.isnan(v)]
-    if not finite:
+    """A `level` bootstrap confidence interval of the median of `values` (this run's rounds): the
+    central `level` of the medians of `resamples` samples drawn from them with replacement, as many
+    as there are. It reflects the spread of the rounds only, not what a run with fresh processes
+    adds (their own luck of hash seed and memory layout), so another run's median may fall outside
+    it. Seeded and independent of the values' order: one run's figures give one interval. NaN with
+    fewer than three finite values."""
+    if not 0 < level < 1 or resamples < 1:
+        raise ValueError(f"level must be in (0, 1) and resamples >= 1, not {level}, {resamples}")
+    finite = sorted(v for v in values if math.isfinite(v))
+    if len(finite) < 3:
         return math.nan, math.nan
     draw = random.Random(seed).choices
     medians = sorted(pct(draw(finite, k=len(finite)), 50) for _ in range(resamples))
-    cut = (1 - level) / 2
-    return medians[int(cut * (resamples - 1))], medians[math.ceil((1 - cut) * (resamples - 1))]
+    outside = int((1 - level) / 2 * resamples + 1e-9)  # medians left out at each end
+    return medians[outside], medians[resamples - 1 - outside]
 
 
 async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
@@ -1365,8 +1378,8 @@ async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
     result["processes"] = len(proxies) // len(rps)
     result["per_process"] = {"rps": w.rps, "cpu_us_per_request": w.cpu_us}
     result["pair_ratios"] = [ratio(x, b) for x, b in zip(rps["crossbar"], rps["mitmdump"], strict=True)]
-    result["ratio"] = pair_ratio(rps["crossbar"], rps["mitmdump"])
-    result["ratio_interval"] = median_interval(result["pair_ratios"])
+    ratios = round_ratios(rps["crossbar"], rps["mitmdump"])
+    result["ratio"], result["ratio_interval"] = pct(ratios, 50), median_interval(ratios)
     return result
 
 
@@ -1542,7 +1555,7 @@ def pressure_table(r: dict[str, Any], plan: Plan) -> str:
             f"{r['rps']['processes']} process(es) of each proxy, a round's figure of a proxy the mean of "
             "its processes "
             f"(target: crossbar >= {RPS_TARGET} x mitmdump; median of the rounds' ratios "
-            f"{fmt(r['rps']['ratio'], 3)}, {_interval(r['rps'])}; "
+            f"{fmt(r['rps']['ratio'], 3)}, {interval_text(r['rps']['ratio_interval'])}; "
             f"CPU per request, crossbar / mitmdump, {fmt(cpu)} over the windows, "
             f"{fmt(cpu_whole)} over the whole run; a connection reopened pays set-up in later windows).\n\n"
             + rps + f"\n\nStalls: a neighbour stream ({NEIGHBOUR_TOKENS} tokens, {plan.token_ms:g} ms apart) "
@@ -1554,9 +1567,9 @@ def pressure_table(r: dict[str, Any], plan: Plan) -> str:
             f"(target: after <= {RSS_TARGET} x warm).\n\n" + rss)
 
 
-def _interval(rps: dict[str, Any]) -> str:
-    lo, hi = rps.get("ratio_interval", (math.nan, math.nan))
-    return f"95 % bootstrap interval {fmt(lo, 3)}–{fmt(hi, 3)}"
+def interval_text(bounds: tuple[float, float]) -> str:
+    lo, hi = bounds
+    return f"{RATIO_LEVEL * 100:g} % bootstrap interval {fmt(lo, 3)}–{fmt(hi, 3)}"
 
 
 def pressure_checks(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
@@ -1566,8 +1579,9 @@ def pressure_checks(results: dict[str, Any]) -> list[tuple[str, str, str, bool |
     growth = r["stall"]["crossbar"]["gap_growth_p50_ms"]
     rss = r["rss"]["crossbar"]["after_over_warm"]
     rate = r["rps"]["ratio"]
-    return [("requests per second, crossbar / mitmdump", f"{fmt(rate, 3)} ({_interval(r['rps'])})",
-             f">= {RPS_TARGET}", rate >= RPS_TARGET),
+    return [("requests per second, crossbar / mitmdump",
+             f"{fmt(rate, 3)} ({interval_text(r['rps']['ratio_interval'])})", f">= {RPS_TARGET}",
+             None if math.isnan(rate) else rate >= RPS_TARGET),
             ("neighbour stream's largest gap growth under load, crossbar (ms, p50)", fmt(growth),
              f"< {STALL_TARGET_MS:g}", growth < STALL_TARGET_MS),
             ("RSS after aborted uploads / warm, crossbar", fmt(rss, 3), f"<= {RSS_TARGET}",

@@ -8,9 +8,10 @@ from this tree's virtualenv. The load is the pressure section's (16 keep-alive c
 non-streamed chats to a simulated host that answers at once). The three proxies take 1 s windows
 in turn, the order rotating, so all three see the machine at the same moments; on a shared
 machine whose speed drifts, comparing separate runs says little. Reported per crossbar tree: the
-median over rounds of its requests/s ÷ bare mitmdump's with a 95 % bootstrap interval of that
-median, and the median of its CPU time per request ÷ bare mitmdump's (user + system of all its
-threads, from /proc). Every process it starts is stopped by it.
+median over rounds of its requests/s ÷ bare mitmdump's with a 95 % bootstrap confidence interval
+of that median (from this run's rounds only: a run with fresh processes may land outside it), and
+the median of its CPU time per request ÷ bare mitmdump's (user + system of all its threads, from
+/proc). Every process it starts is stopped by it.
 
 `--pin` runs the proxies on the last CPU and the load and the simulated host on the others (with
 `taskset`), so that the proxy under load has a CPU of its own and is what limits the rate; without
@@ -102,8 +103,8 @@ async def rounds(proxies: Sequence[bench.Proxy], windows: int, seconds: float = 
     result: dict[str, Any] = {"windows": windows, "replicas": len(proxies) // 3, "rps": w.rps,
                               "cpu_us_per_request": w.cpu_us, "reopened": w.reopened}
     for name in ("this", "other"):
-        ratios = [bench.ratio(x, b) for x, b in zip(rps[name], rps["mitmdump"], strict=True)]
-        result[name] = {"rps_ratio": bench.pair_ratio(rps[name], rps["mitmdump"]),
+        ratios = bench.round_ratios(rps[name], rps["mitmdump"])
+        result[name] = {"rps_ratio": bench.pct(ratios, 50),
                         "rps_ratio_interval": bench.median_interval(ratios),
                         "cpu_ratio": bench.pair_ratio(cpu_us[name], cpu_us["mitmdump"]),
                         "cpu_us_per_request": bench.pct(cpu_us[name], 50)}
@@ -119,7 +120,8 @@ def table(r: dict[str, Any], other: Path) -> str:
 
     rows = [row(f"this tree ({bench.ROOT})", r["this"]), row(f"other tree ({other})", r["other"]),
             ["bare mitmdump", "1", "", "1", bench.fmt(r["mitmdump"]["cpu_us_per_request"], 0)]]
-    return bench.markdown(["proxy", "requests/s ÷ mitmdump (median)", "95 % bootstrap interval",
+    return bench.markdown(["proxy", "requests/s ÷ mitmdump (median)",
+                           f"its {bench.RATIO_LEVEL * 100:g} % bootstrap interval",
                            "CPU per request ÷ mitmdump (median)", "CPU per request (µs, median)"], rows)
 
 

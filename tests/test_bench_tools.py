@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import random
 import sys
 import textwrap
 from pathlib import Path
@@ -48,16 +49,35 @@ def test_rounds_are_compared_pairwise_not_by_their_medians() -> None:
     assert bench.pct(a, 50) / bench.pct(b, 50) == 0.25
 
 
-def test_the_ratio_comes_with_the_interval_its_median_would_likely_fall_in() -> None:
+def test_the_ratio_comes_with_a_bootstrap_interval_of_its_median() -> None:
     rounds = [0.80, 0.85, 0.90, 0.92, 0.94, 0.95, 0.96, 0.98, 1.00, 1.05, 1.10, 1.20]
     lo, hi = bench.median_interval(rounds)
     assert lo < bench.pct(rounds, 50) < hi
-    assert (lo, hi) == bench.median_interval(list(reversed(rounds)))  # seeded: one run, one interval
+    half_lo, half_hi = bench.median_interval(rounds, level=0.5)  # a lower level: a narrower interval
+    assert lo <= half_lo < half_hi <= hi and (half_lo, half_hi) != (lo, hi)
     more_lo, more_hi = bench.median_interval(rounds * 9)  # more rounds alike: a narrower interval
     assert lo <= more_lo < more_hi <= hi and more_hi - more_lo < (hi - lo) / 2
+    # three values, every sample's median known: 7 of 27 samples give 1, 7 give 3, 13 give 2
+    assert bench.median_interval([1.0, 2.0, 3.0], level=0.4) == (2.0, 2.0)
+    assert bench.median_interval([1.0, 2.0, 3.0], level=0.9) == (1.0, 3.0)
     assert bench.median_interval([0.9] * 5) == (0.9, 0.9)
-    assert bench.median_interval([0.9, math.nan, 0.9]) == (0.9, 0.9)  # a round without a figure is left out
-    assert all(math.isnan(v) for v in bench.median_interval([]))
+
+
+def test_the_interval_is_one_per_run_and_leaves_out_rounds_without_a_figure() -> None:
+    drawn = random.Random(7)
+    rounds = [drawn.gauss(0.95, 0.1) for _ in range(60)]
+    assert bench.median_interval(rounds) == bench.median_interval(list(reversed(rounds)))  # order
+    assert bench.median_interval(rounds) == bench.median_interval(rounds)  # seeded
+    assert bench.median_interval(rounds, seed=1) != bench.median_interval(rounds)
+    assert bench.median_interval([0.9, math.nan, 0.9, math.inf, 0.9]) == (0.9, 0.9)
+    assert all(math.isnan(v) for v in bench.median_interval([0.9, 1.0]))  # too few rounds to say
+    with pytest.raises(ValueError):
+        bench.median_interval(rounds, level=1.0)
+    # a round whose bare window answered nothing has no ratio: the median and its interval both
+    # come from the others
+    crossbar, bare = [90.0, 95.0, 100.0, 50.0], [100.0, 100.0, 100.0, 0.0]
+    assert bench.round_ratios(crossbar, bare) == [0.9, 0.95, 1.0]
+    assert bench.pair_ratio(crossbar, bare) == 0.95
 
 
 async def test_the_tree_comparison_reports_each_ratio_with_its_interval(
