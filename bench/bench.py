@@ -1344,6 +1344,12 @@ def pair_ratio(a: Sequence[float], b: Sequence[float]) -> float:
     return pct(round_ratios(a, b), 50)
 
 
+def ratio_and_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, tuple[float, float]]:
+    """The median of the rounds' ratios a / b and its bootstrap interval, from the same rounds."""
+    ratios = round_ratios(a, b)
+    return pct(ratios, 50), median_interval(ratios)
+
+
 def median_interval(values: Sequence[float], level: float = RATIO_LEVEL, resamples: int = RATIO_RESAMPLES,
                     seed: int = 0) -> tuple[float, float]:
     """A `level` bootstrap confidence interval of the median of `values` (this run's rounds): the
@@ -1378,8 +1384,7 @@ async def measure_rps(proxies: Sequence[Proxy], plan: Plan) -> dict[str, Any]:
     result["processes"] = len(proxies) // len(rps)
     result["per_process"] = {"rps": w.rps, "cpu_us_per_request": w.cpu_us}
     result["pair_ratios"] = [ratio(x, b) for x, b in zip(rps["crossbar"], rps["mitmdump"], strict=True)]
-    ratios = round_ratios(rps["crossbar"], rps["mitmdump"])
-    result["ratio"], result["ratio_interval"] = pct(ratios, 50), median_interval(ratios)
+    result["ratio"], result["ratio_interval"] = ratio_and_interval(rps["crossbar"], rps["mitmdump"])
     return result
 
 
@@ -1567,9 +1572,13 @@ def pressure_table(r: dict[str, Any], plan: Plan) -> str:
             f"(target: after <= {RSS_TARGET} x warm).\n\n" + rss)
 
 
-def interval_text(bounds: tuple[float, float]) -> str:
+def interval_range(bounds: tuple[float, float]) -> str:
     lo, hi = bounds
-    return f"{RATIO_LEVEL * 100:g} % bootstrap interval {fmt(lo, 3)}–{fmt(hi, 3)}"
+    return f"{fmt(lo, 3)}–{fmt(hi, 3)}"
+
+
+def interval_text(bounds: tuple[float, float]) -> str:
+    return f"{RATIO_LEVEL * 100:g} % bootstrap interval {interval_range(bounds)}"
 
 
 def pressure_checks(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:

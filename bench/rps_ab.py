@@ -103,9 +103,8 @@ async def rounds(proxies: Sequence[bench.Proxy], windows: int, seconds: float = 
     result: dict[str, Any] = {"windows": windows, "replicas": len(proxies) // 3, "rps": w.rps,
                               "cpu_us_per_request": w.cpu_us, "reopened": w.reopened}
     for name in ("this", "other"):
-        ratios = bench.round_ratios(rps[name], rps["mitmdump"])
-        result[name] = {"rps_ratio": bench.pct(ratios, 50),
-                        "rps_ratio_interval": bench.median_interval(ratios),
+        rate, interval = bench.ratio_and_interval(rps[name], rps["mitmdump"])
+        result[name] = {"rps_ratio": rate, "rps_ratio_interval": interval,
                         "cpu_ratio": bench.pair_ratio(cpu_us[name], cpu_us["mitmdump"]),
                         "cpu_us_per_request": bench.pct(cpu_us[name], 50)}
     result["mitmdump"] = {"cpu_us_per_request": bench.pct(cpu_us["mitmdump"], 50)}
@@ -114,8 +113,7 @@ async def rounds(proxies: Sequence[bench.Proxy], windows: int, seconds: float = 
 
 def table(r: dict[str, Any], other: Path) -> str:
     def row(label: str, f: dict[str, Any]) -> list[str]:
-        lo, hi = f["rps_ratio_interval"]
-        return [label, bench.fmt(f["rps_ratio"], 3), f"{bench.fmt(lo, 3)}–{bench.fmt(hi, 3)}",
+        return [label, bench.fmt(f["rps_ratio"], 3), bench.interval_range(f["rps_ratio_interval"]),
                 bench.fmt(f["cpu_ratio"], 3), bench.fmt(f["cpu_us_per_request"], 0)]
 
     rows = [row(f"this tree ({bench.ROOT})", r["this"]), row(f"other tree ({other})", r["other"]),

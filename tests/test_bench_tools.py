@@ -96,7 +96,7 @@ async def test_the_tree_comparison_reports_each_ratio_with_its_interval(
     lo, hi = result["this"]["rps_ratio_interval"]
     assert 0.9 <= lo <= result["this"]["rps_ratio"] == 0.975 <= hi <= 1.05
     assert result["other"]["rps_ratio_interval"] == (0.8, 0.8)
-    assert f"{bench.fmt(lo, 3)}–{bench.fmt(hi, 3)}" in rps_ab.table(result, Path("/before"))
+    assert f"| {bench.fmt(lo, 3)}–{bench.fmt(hi, 3)} |" in rps_ab.table(result, Path("/before"))
 
 
 def test_cpu_time_is_read_for_the_whole_process() -> None:
