@@ -1,10 +1,9 @@
 """Usage from a compressed (`Content-Encoding`) answer, within a bound.
 
 A host's answer may be small on the wire and huge decoded. It is decoded here piece by piece, up to
-a cap on the decoded size, keeping only the parts `usage_from_body` reads (the whole body when it
-is small, else its edges): memory stays a few hundred KiB whatever the answer holds. Decoding is
-CPU work that scales with the answer, so callers run it on a worker thread. What the client
-receives is never touched.
+a cap on the decoded size, keeping only the parts `usage_from_body` reads (`AnswerEdges`): memory
+stays a few hundred KiB whatever the answer holds. Decoding is CPU work that scales with the
+answer, so callers run it on a worker thread. What the client receives is never touched.
 """
 
 from __future__ import annotations
@@ -12,11 +11,9 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from crossbar.tap import EDGE_BYTES, MEMBER_MAX, WHOLE_BODY_MAX, Usage, usage_from_body
+from crossbar.tap import AnswerEdges, Usage, usage_from_body
 
 DECODE_STEP = 1 << 20  # decoded bytes produced per step
-HEAD_KEEP = EDGE_BYTES + MEMBER_MAX  # a member found near the start is whole within this
-TAIL_KEEP = WHOLE_BODY_MAX  # head + tail is longer than WHOLE_BODY_MAX: read at its edges
 _WBITS = {"gzip": (31,), "x-gzip": (31,), "deflate": (15, -15)}  # deflate: zlib-wrapped, else raw
 
 
@@ -30,30 +27,8 @@ class EncodedUsage:
     unread: str = ""  # why usage could not be read ("" when it was, or the answer had none)
 
 
-class _Edges:
-    """The first HEAD_KEEP and the last TAIL_KEEP bytes of what is added, and the total."""
-
-    def __init__(self) -> None:
-        self.head, self.tail, self.total = bytearray(), bytearray(), 0
-
-    def add(self, piece: bytes) -> None:
-        self.total += len(piece)
-        room = HEAD_KEEP - len(self.head)
-        if room > 0:
-            self.head += piece[:room]
-            piece = piece[room:]
-        self.tail += piece
-        if len(self.tail) > TAIL_KEEP:
-            del self.tail[:-TAIL_KEEP]
-
-    def body(self) -> bytes:
-        """The body itself when it was kept whole, else its edges joined (longer than
-        WHOLE_BODY_MAX, so `usage_from_body` reads them at the edges)."""
-        return bytes(self.head + self.tail)
-
-
-def _inflate(raw: bytes, wbits: int, cap: int) -> _Edges:
-    edges = _Edges()
+def _inflate(raw: bytes, wbits: int, cap: int) -> AnswerEdges:
+    edges = AnswerEdges()
     inflater = zlib.decompressobj(wbits)
     data = raw
     while True:

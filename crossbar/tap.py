@@ -27,6 +27,8 @@ MAX_TOKENS_PER_SECOND = 1e6  # no engine generates this fast: a timing that impl
 WHOLE_BODY_MAX = 256 * 1024  # a larger non-streamed reply is not parsed whole
 EDGE_BYTES = 64 * 1024  # ... but read for usage at its start and its end
 MEMBER_MAX = 16 * 1024  # a `usage` or `timings` object is far shorter
+HEAD_KEEP = EDGE_BYTES + MEMBER_MAX  # a member found near the start is whole within this
+TAIL_KEEP = WHOLE_BODY_MAX  # head + tail is longer than WHOLE_BODY_MAX: read at its edges
 _DECODER = json.JSONDecoder()
 
 _DATA = b"data:"
@@ -229,6 +231,47 @@ def _object_at(body: bytes, at: int) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
+
+
+class AnswerEdges:
+    """The parts of an answer given piece by piece that `usage_from_body` reads: its first
+    HEAD_KEEP and last TAIL_KEEP bytes, so `usage_from_body(edges.body())` is
+    `usage_from_body(answer)` while at most HEAD_KEEP + TAIL_KEEP bytes are held."""
+
+    __slots__ = ("head", "tail", "total")
+
+    def __init__(self) -> None:
+        self.head, self.tail, self.total = bytearray(), bytearray(), 0
+
+    def add(self, piece: bytes) -> None:
+        self.total += len(piece)
+        room = HEAD_KEEP - len(self.head)
+        if room > 0:
+            self.head += piece[:room]
+            piece = piece[room:]
+        self.tail += piece
+        if len(self.tail) > TAIL_KEEP:
+            del self.tail[:-TAIL_KEEP]
+
+    def body(self) -> bytes:
+        """The answer itself when it was kept whole, else its edges joined (longer than
+        WHOLE_BODY_MAX, so `usage_from_body` reads them at the edges)."""
+        return bytes(self.head + self.tail)
+
+
+class EdgeTap(AnswerEdges):
+    """Streaming callable for an answer too large to buffer: every chunk is returned unchanged
+    (the same object) and only its edges are kept, where llama-server writes `usage` and
+    `timings` (after a completion's choices, before an embeddings reply's vectors)."""
+
+    __slots__ = ()
+
+    def __call__(self, chunk: bytes) -> bytes:
+        self.add(chunk)
+        return chunk
+
+    def usage(self) -> Usage | None:
+        return usage_from_body(self.body())
 
 
 class SSETap:

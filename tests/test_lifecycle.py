@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from accounting_util import Samples, scrape, summed
 from harness import (
     HostSpec,
@@ -132,18 +133,39 @@ async def test_ttfb_of_a_retried_request_is_when_the_client_got_its_first_byte(t
 # ---------------------------------------------------------------- answers are not capped
 
 
-async def test_a_large_answer_is_never_cut_by_the_request_body_limit(tmp_path: Path) -> None:
-    big = json.dumps({"object": "list", "data": [{"embedding": [0.125] * 300_000}],
-                      "usage": {"prompt_tokens": 3, "total_tokens": 3}}).encode()
-    assert len(big) > 2 << 20
+# llama-server's own key order: an embeddings reply's usage before its vectors, a completion's
+# usage and timings after its choices (the cached share only in timings here)
+_VECTORS = [{"embedding": [0.125] * 300_000, "index": 0, "object": "embedding"}]
+_EMBED_USAGE = {"prompt_tokens": 3, "total_tokens": 3}
+_CHAT_USAGE = {"completion_tokens": 9, "prompt_tokens": 3, "total_tokens": 12}
+_TIMINGS = {"cache_n": 2, "prompt_n": 1, "prompt_ms": 0.5, "predicted_n": 9, "predicted_ms": 9.0}
+_LONG_REPLY = [{"index": 0, "message": {"role": "assistant", "content": "x" * 2_500_000}}]
+_LARGE_ANSWERS = {
+    "embeddings, usage first": ("/r/v1/embeddings", {"input": "hello"},
+                                {"model": "m", "object": "list", "usage": _EMBED_USAGE, "data": _VECTORS}),
+    "embeddings, usage last": ("/r/v1/embeddings", {"input": "hello"},
+                               {"object": "list", "data": _VECTORS, "usage": _EMBED_USAGE}),
+    "chat, timings last": ("/r/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+                           {"choices": _LONG_REPLY, "usage": _CHAT_USAGE, "timings": _TIMINGS}),
+}
+
+
+@pytest.mark.parametrize("case", list(_LARGE_ANSWERS))
+async def test_a_large_answer_is_never_cut_and_keeps_its_figures(tmp_path: Path, case: str) -> None:
+    path, request, answer = _LARGE_ANSWERS[case]
+    big = json.dumps(answer).encode()
     async with recording_upstream(big, [b""]) as up:
         cfg = write_config(tmp_path / "c.toml", {"a": (up.url, HostSpec({"m": {}}))},
                            {"r": {"hosts": ["a"], "default_model": "m"}}, max_body="64KiB")
         async with crossbar_proxy(cfg) as proxy:
-            status, _, body = await post(proxy.url + "/r/v1/embeddings", {"input": "hello"})
+            # past the bound mitmproxy buffers an answer at: streamed through, read at its edges
+            assert len(big) > proxy.router.cfg.buffered_body_max
+            status, _, body = await post(proxy.url + path, request)
             (row,) = await request_rows(proxy)
     assert status == 200 and body == big
     assert row.status == 200 and row.prompt_tokens == 3
+    if "chat" in case:
+        assert (row.cached_tokens, row.completion_tokens) == (2, 9)
 
 
 # ---------------------------------------------------------------- a hook that raises

@@ -433,6 +433,41 @@ def test_large_reply_without_usage() -> None:
     assert usage_from_body(b'{"data": [' + b"1, " * 500_000 + b"1]}") is None
 
 
+def _answer(shape: str, filler: int) -> bytes:
+    """An answer with `filler` bytes of text and its figures where `shape` says."""
+    text = "y" * filler
+    figures = {"usage": {"prompt_tokens": 9, "completion_tokens": 2},
+               "timings": {"cache_n": 5, "prompt_n": 4, "predicted_n": 2, "predicted_ms": 3.0}}
+    if shape == "figures first":  # an embeddings reply
+        return json.dumps({"object": "list", **figures, "data": [{"embedding": text}]}).encode()
+    if shape == "figures in the middle":
+        return json.dumps({"a": text, **figures, "b": text}).encode()
+    if shape == "no figures":
+        return json.dumps({"data": text}).encode()
+    return json.dumps({"choices": [{"message": {"content": text}}], **figures}).encode()
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.sampled_from(["figures first", "figures last", "figures in the middle", "no figures"]),
+       filler=st.sampled_from([0, 1000, tap.HEAD_KEEP, tap.WHOLE_BODY_MAX, 3 * tap.TAIL_KEEP]),
+       cuts=st.lists(st.integers(min_value=1, max_value=200_000), max_size=12))
+def test_a_streamed_answer_is_read_at_its_edges_as_if_whole(shape: str, filler: int, cuts: list[int]) -> None:
+    body = _answer(shape, filler)
+    edge_tap, at, forwarded = tap.EdgeTap(), 0, []
+    for size in [*cuts, len(body)]:
+        chunk = body[at:at + size]
+        assert edge_tap(chunk) is chunk  # forwarded as it came
+        forwarded.append(chunk)
+        at += size
+        assert len(edge_tap.head) + len(edge_tap.tail) <= tap.HEAD_KEEP + tap.TAIL_KEEP
+    assert edge_tap(b"") == b""  # mitmproxy's end of the body
+    event(shape)
+    assert b"".join(forwarded) == body
+    assert edge_tap.usage() == usage_from_body(body)
+    if shape != "figures in the middle" or len(body) <= tap.WHOLE_BODY_MAX:
+        assert edge_tap.usage() == (None if shape == "no figures" else Usage(9, 5, 2, 3.0, 4))
+
+
 _usage_answers = [
     b'{"usage": {"prompt_tokens": 10, "completion_tokens": 2, '
     b'"prompt_tokens_details": {"cached_tokens": 4}}}',

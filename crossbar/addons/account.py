@@ -2,7 +2,7 @@
 (row, metrics, slot, lease hold) exactly once, whatever path it took.
 
   responseheaders  SSE → stream through the usage tap; a body past the buffering bound →
-                   stream it, keeping its tail for usage
+                   stream it, keeping its edges for usage
   response         read usage (a compressed answer: decoded within a bound, on a worker thread);
                    end the request (in a `finally`)
   error            cut stream, refused connect, client gone: end the request (in a `finally`)
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -24,11 +23,11 @@ from crossbar import request as req
 from crossbar.addons.runtime import LOCAL, Runtime, exchange_of
 from crossbar.encoded import usage_of_encoded
 from crossbar.exchange import Exchange
-from crossbar.tap import SSETap, Usage, usage_from_body
+from crossbar.tap import EdgeTap, SSETap, Usage, usage_from_body
 
 log = logging.getLogger("crossbar")
 
-TAIL = "crossbar.tail"  # flow.metadata key of a streamed answer's BodyTail
+TAIL = "crossbar.tail"  # flow.metadata key of a streamed answer's EdgeTap
 
 
 class _Plain(enum.Enum):
@@ -50,7 +49,7 @@ class Account:
             ex.tap = SSETap()
             flow.response.stream = ex.tap
         elif flow.response.stream:  # mitmproxy streams a body past its buffering bound
-            flow.metadata[TAIL] = flow.response.stream = BodyTail()
+            flow.metadata[TAIL] = flow.response.stream = EdgeTap()
 
     async def response(self, flow: http.HTTPFlow) -> None:
         decoded: Usage | _Plain | None = None  # a compressed answer whose decoding failed: no usage
@@ -101,7 +100,7 @@ class Account:
         if ex.tap is not None:
             ex.usage = ex.tap.usage
         elif TAIL in flow.metadata:
-            ex.usage = usage_from_body(flow.metadata.pop(TAIL).usage_json())
+            ex.usage = flow.metadata.pop(TAIL).usage()
         elif ex.completion and not flow.metadata.get(LOCAL):
             ex.usage = usage_from_body(flow.response.raw_content) if decoded is PLAIN else decoded
         if ex.status >= 400 and not ex.err:
@@ -115,30 +114,6 @@ class Account:
             ex.usage = ex.tap.usage
         if flow.response is not None and ex.status is None:
             ex.status = flow.response.status_code
-
-
-class BodyTail:
-    """Streams a large answer unchanged, keeping only its last bytes: llama-server writes JSON
-    with sorted keys, so `usage` comes last and is read from the tail."""
-
-    KEEP = 16 << 10
-
-    def __init__(self) -> None:
-        self.tail = b""
-
-    def __call__(self, chunk: bytes) -> bytes:
-        self.tail = (self.tail + chunk)[-self.KEEP:]
-        return chunk
-
-    def usage_json(self) -> bytes | None:
-        at = self.tail.rfind(b'"usage"')
-        if at < 0:
-            return None
-        try:
-            usage, _ = json.JSONDecoder().raw_decode(self.tail[at + 7:].lstrip(b": \t\r\n").decode())
-        except (ValueError, UnicodeDecodeError):
-            return None
-        return json.dumps({"usage": usage}).encode()
 
 
 def _encoded(response: http.Response) -> bool:
