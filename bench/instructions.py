@@ -1,6 +1,6 @@
 """Instructions per request of bare mitmdump and crossbar, counted by valgrind's callgrind.
 
-    .venv/bin/python bench/instructions.py [OTHER_TREE ...] [--requests N]
+    .venv/bin/python bench/instructions.py [OTHER_TREE ...] [--requests N] [--cache-sim] [--functions K]
 
 Timings on a shared machine drift by a factor of two within seconds; an instruction count does
 not. Each proxy runs under `valgrind --tool=callgrind` with counting switched off, takes 100
@@ -14,6 +14,13 @@ so the writer thread commits smaller batches than at full speed: its share here 
 bound. OTHER_TREE, another crossbar checkout
 (`git worktree add /tmp/before <commit>`), is measured the same way from this tree's virtualenv.
 
+`--functions K` runs each proxy with Python's perf trampolines (`PYTHONPERFSUPPORT=1`: every
+Python function is entered through a small stub of its own, named in `/tmp/perf-PID.map`) and
+reports, per crossbar tree, the K functions of its `crossbar` package that cost the event loop the
+most first-level data cache misses (instructions without `--cache-sim`), inclusive of what they
+call, per request. The trampolines add instructions of their own to every Python call, so compare
+these figures with each other, not with a run without them.
+
 Needs valgrind (`apt install valgrind`). Under valgrind each proxy runs tens of times slower: about
 a minute per proxy for the default 300 requests. Every process it starts is stopped by it.
 """
@@ -22,15 +29,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import itertools
 import json
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,6 +59,50 @@ class Count:
     loop: float
     d1_misses: float | None = None
     i1_misses: float | None = None
+    functions: dict[str, FunctionCost] = field(default_factory=dict)  # with --functions
+
+
+@dataclass(frozen=True)
+class FunctionCost:
+    """One Python function's cost to the event loop per request, inclusive of what it calls."""
+
+    instructions: float
+    d1_misses: float | None = None
+
+
+PERF_MAP = "/tmp/perf-{pid}.map"  # where Python's perf trampolines name themselves
+# a line of `callgrind_annotate --inclusive=yes`: its counts, then a function known only by address
+_ANNOTATED = re.compile(r"^\s*((?:[\d,]+\s+\([^)]*\)\s+)+)(?:\?\?\?:)?0x([0-9a-fA-F]+)\b")
+_COUNT = re.compile(r"([\d,]+)\s+\([^)]*\)")
+
+
+def perf_map(text: str) -> tuple[list[int], list[str]]:
+    """Start addresses (sorted) and names of the stubs a perf map lists (`START SIZE NAME`)."""
+    stubs = sorted((int(start, 16), name) for start, _, name in
+                   (line.split(" ", 2) for line in text.splitlines() if line.count(" ") >= 2))
+    return [start for start, _ in stubs], [name for _, name in stubs]
+
+
+def function_costs(annotated: str, stubs: tuple[list[int], list[str]], requests: int,
+                   package: str = "/crossbar/") -> dict[str, FunctionCost]:
+    """Per Python function of `package` (its perf-map name, `py::QUALNAME:FILE`): the inclusive
+    counts `callgrind_annotate --inclusive=yes --show=Ir[,D1mr]` gives its stub, per request.
+    Stubs of one name (a function made again, such as a closure) are added up."""
+    starts, names = stubs
+    sums: dict[str, list[int]] = {}
+    for line in annotated.splitlines():
+        found = _ANNOTATED.match(line)
+        if found is None:
+            continue
+        at = bisect.bisect_right(starts, int(found.group(2), 16)) - 1
+        if at < 0 or package not in names[at]:
+            continue
+        counts = [int(n.replace(",", "")) for n in _COUNT.findall(found.group(1))]
+        total = sums.setdefault(names[at], [0] * len(counts))
+        for i, n in enumerate(counts[:len(total)]):
+            total[i] += n
+    return {name: FunctionCost(c[0] / requests, c[1] / requests if len(c) > 1 else None)
+            for name, c in sums.items()}
 
 
 async def load(proxy: bench.Proxy, requests: int) -> None:
@@ -90,7 +143,7 @@ def counted(dump: Path) -> dict[str, int]:
 
 
 async def per_request(name: str, tree: Path | None, requests: int, workdir: Path,
-                      cache_sim: bool = False) -> Count:
+                      cache_sim: bool = False, functions: bool = False) -> Count:
     """Instructions per request of bare mitmdump (`tree` None) or of crossbar from `tree`."""
     host_port, port = bench.free_port(), bench.free_port()
     config = bench.write_crossbar_toml(workdir / f"{name}.toml", port, workdir / f"{name}.db",
@@ -105,6 +158,8 @@ async def per_request(name: str, tree: Path | None, requests: int, workdir: Path
         cmd, ready, prefix = bench.bare_mitmdump_cmd({port: host_port}, config), "/health", ""
     else:
         cmd, ready, prefix = bench.crossbar_cmd(config, tree), "/_crossbar/hosts", "/bench"
+    if functions:  # `env` execs valgrind, which runs the proxy: one process, one pid, one perf map
+        valgrind = ["env", "PYTHONPERFSUPPORT=1", *valgrind]
     host_cmd = bench.sim_cmd(host_port, 0.0, 1, slots=bench.RPS_CLIENTS)
     async with bench.running("host", host_cmd, workdir, host_port, "/health"), \
             bench.running(name, valgrind + cmd, workdir, port, ready, ready_timeout=300) as proc:
@@ -122,17 +177,34 @@ async def per_request(name: str, tree: Path | None, requests: int, workdir: Path
     threads = [counted(dump) for dump in dumps]
     loop = threads[0]
     misses = {key: loop[key] / requests if key in loop else None for key in ("D1mr", "I1mr")}
+    costs = python_functions(dumps[0], pid, requests, cache_sim) if functions else {}
     return Count(total=sum(t["Ir"] for t in threads) / requests, loop=loop["Ir"] / requests,
-                 d1_misses=misses["D1mr"], i1_misses=misses["I1mr"])
+                 d1_misses=misses["D1mr"], i1_misses=misses["I1mr"], functions=costs)
+
+
+def python_functions(dump: Path, pid: int, requests: int, cache_sim: bool) -> dict[str, FunctionCost]:
+    """crossbar's functions' inclusive costs in the event loop's dump; the process's perf map is
+    removed once read."""
+    stubs = Path(PERF_MAP.format(pid=pid))
+    try:
+        names = perf_map(stubs.read_text())
+    finally:
+        stubs.unlink(missing_ok=True)
+    shown = "Ir,D1mr" if cache_sim else "Ir"
+    annotated = subprocess.run(
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", f"--show={shown}", str(dump)],
+        check=True, capture_output=True, text=True, timeout=600).stdout
+    return function_costs(annotated, names, requests)
 
 
 async def measure(trees: Sequence[Path], requests: int, keep: Path | None,
-                  cache_sim: bool = False) -> dict[str, Count]:
+                  cache_sim: bool = False, functions: bool = False) -> dict[str, Count]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        result = {"mitmdump": await per_request("mitmdump", None, requests, workdir, cache_sim)}
+        counting = {"workdir": workdir, "cache_sim": cache_sim, "functions": functions}
+        result = {"mitmdump": await per_request("mitmdump", None, requests, **counting)}
         for i, tree in enumerate(trees):
-            result[str(tree)] = await per_request(f"crossbar{i}", tree, requests, workdir, cache_sim)
+            result[str(tree)] = await per_request(f"crossbar{i}", tree, requests, **counting)
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
             for dump in workdir.glob("callgrind.*"):
@@ -149,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="keep the callgrind dumps (one per proxy and thread) in DIR")
     parser.add_argument("--cache-sim", action="store_true",
                         help="also simulate the caches: the event loop's first-level misses per request")
+    parser.add_argument("--functions", type=int, default=0, metavar="K",
+                        help="with Python's perf trampolines: each crossbar tree's K costliest functions")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         parser.error("valgrind is not installed (apt install valgrind)")
@@ -157,7 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (tree / "addons" / "crossbar.py").is_file():
             parser.error(f"{tree} is not a crossbar checkout (no addons/crossbar.py)")
     signal.signal(signal.SIGTERM, bench._sigterm)  # unwinds, so every process started is stopped
-    result = asyncio.run(measure([bench.ROOT, *others], args.requests, args.keep, args.cache_sim))
+    if args.functions < 0:
+        parser.error("--functions takes a count of functions")
+    result = asyncio.run(measure([bench.ROOT, *others], args.requests, args.keep, args.cache_sim,
+                                 args.functions > 0))
     bare = result["mitmdump"]
     rows = [[name if name == "mitmdump" else f"crossbar, {name}", bench.fmt(count.total, 0),
              bench.fmt(count.total / bare.total, 3), bench.fmt(count.loop, 0),
@@ -168,9 +245,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row, count in zip(rows, result.values(), strict=True):
             row += [bench.fmt(count.d1_misses, 0), bench.fmt(count.i1_misses, 0)]
     print(bench.markdown(head, rows))
+    for name, count in result.items():
+        if name != "mitmdump" and args.functions:
+            print(f"\ncrossbar, {name}: its {args.functions} costliest functions (with perf trampolines)\n")
+            print(functions_table(count.functions, args.functions))
     if args.out:
         args.out.write_text(json.dumps({name: asdict(count) for name, count in result.items()}, indent=2))
     return 0
+
+
+def functions_table(costs: dict[str, FunctionCost], top: int) -> str:
+    """The `top` functions by data cache misses (by instructions without the cache simulation)."""
+    ranked = sorted(costs.items(), key=lambda kv: -(kv[1].d1_misses or kv[1].instructions))[:top]
+    rows = [[name.removeprefix("py::"), bench.fmt(cost.instructions, 0), bench.fmt(cost.d1_misses, 0)]
+            for name, cost in ranked]
+    return bench.markdown(["function (inclusive, per request)", "instructions", "D1 misses"], rows)
 
 
 if __name__ == "__main__":
