@@ -71,38 +71,60 @@ class FunctionCost:
 
 
 PERF_MAP = "/tmp/perf-{pid}.map"  # where Python's perf trampolines name themselves
-# a line of `callgrind_annotate --inclusive=yes`: its counts, then a function known only by address
-_ANNOTATED = re.compile(r"^\s*((?:[\d,]+\s+\([^)]*\)\s+)+)(?:\?\?\?:)?0x([0-9a-fA-F]+)\b")
-_COUNT = re.compile(r"([\d,]+)\s+\([^)]*\)")
+# a line of `callgrind_annotate --inclusive=yes`: its counts (a percentage after each, or `.` for
+# none), then a function known only by its address
+_ANNOTATED = re.compile(r"^\s*((?:(?:[\d,]+(?:\s+\([^)]*\))?|\.)\s+)+)(?:\?\?\?:)?0x([0-9a-fA-F]+)\b")
+_COUNT = re.compile(r"([\d,]+|\.)(?:\s+\([^)]*\))?")
 
 
-def perf_map(text: str) -> tuple[list[int], list[str]]:
-    """Start addresses (sorted) and names of the stubs a perf map lists (`START SIZE NAME`)."""
-    stubs = sorted((int(start, 16), name) for start, _, name in
+@dataclass(frozen=True)
+class Stubs:
+    """The perf trampolines of one process, by address: each one's start, end and name."""
+
+    starts: list[int]
+    ends: list[int]
+    names: list[str]
+
+    def name_at(self, address: int) -> str | None:
+        at = bisect.bisect_right(self.starts, address) - 1
+        return self.names[at] if at >= 0 and address < self.ends[at] else None
+
+
+def perf_map(text: str) -> Stubs:
+    """The stubs a perf map lists, one per line: `START SIZE NAME`, hexadecimal."""
+    stubs = sorted((int(start, 16), int(start, 16) + int(size, 16), name) for start, size, name in
                    (line.split(" ", 2) for line in text.splitlines() if line.count(" ") >= 2))
-    return [start for start, _ in stubs], [name for _, name in stubs]
+    return Stubs([s for s, _, _ in stubs], [e for _, e, _ in stubs], [n for _, _, n in stubs])
 
 
-def function_costs(annotated: str, stubs: tuple[list[int], list[str]], requests: int,
-                   package: str = "/crossbar/") -> dict[str, FunctionCost]:
-    """Per Python function of `package` (its perf-map name, `py::QUALNAME:FILE`): the inclusive
-    counts `callgrind_annotate --inclusive=yes --show=Ir[,D1mr]` gives its stub, per request.
-    Stubs of one name (a function made again, such as a closure) are added up."""
-    starts, names = stubs
+def function_costs(annotated: str, stubs: Stubs, requests: int, package: str) -> dict[str, FunctionCost]:
+    """Per Python function defined under the folder `package` (its perf-map name,
+    `py::QUALNAME:FILE`): the inclusive counts `callgrind_annotate --inclusive=yes
+    --show=Ir[,D1mr]` gives its stub, per request. Stubs of one name (a function made again, such
+    as a closure) are added up."""
     sums: dict[str, list[int]] = {}
     for line in annotated.splitlines():
         found = _ANNOTATED.match(line)
-        if found is None:
+        name = stubs.name_at(int(found.group(2), 16)) if found else None
+        if found is None or name is None or not name.rpartition(":")[2].startswith(package):
             continue
-        at = bisect.bisect_right(starts, int(found.group(2), 16)) - 1
-        if at < 0 or package not in names[at]:
-            continue
-        counts = [int(n.replace(",", "")) for n in _COUNT.findall(found.group(1))]
-        total = sums.setdefault(names[at], [0] * len(counts))
+        counts = [0 if n == "." else int(n.replace(",", "")) for n in _COUNT.findall(found.group(1))]
+        total = sums.setdefault(name, [0] * len(counts))
         for i, n in enumerate(counts[:len(total)]):
             total[i] += n
     return {name: FunctionCost(c[0] / requests, c[1] / requests if len(c) > 1 else None)
             for name, c in sums.items()}
+
+
+def functions_table(costs: dict[str, FunctionCost], top: int) -> str:
+    """The `top` functions by data cache misses (by instructions without the cache simulation)."""
+    def weight(cost: FunctionCost) -> float:
+        return cost.d1_misses if cost.d1_misses is not None else cost.instructions
+
+    ranked = sorted(costs.items(), key=lambda kv: -weight(kv[1]))[:top]
+    rows = [[name.removeprefix("py::"), bench.fmt(cost.instructions, 0), bench.fmt(cost.d1_misses, 0)]
+            for name, cost in ranked]
+    return bench.markdown(["function (inclusive, per request)", "instructions", "D1 misses"], rows)
 
 
 async def load(proxy: bench.Proxy, requests: int) -> None:
@@ -161,50 +183,53 @@ async def per_request(name: str, tree: Path | None, requests: int, workdir: Path
     if functions:  # `env` execs valgrind, which runs the proxy: one process, one pid, one perf map
         valgrind = ["env", "PYTHONPERFSUPPORT=1", *valgrind]
     host_cmd = bench.sim_cmd(host_port, 0.0, 1, slots=bench.RPS_CLIENTS)
-    async with bench.running("host", host_cmd, workdir, host_port, "/health"), \
-            bench.running(name, valgrind + cmd, workdir, port, ready, ready_timeout=300) as proc:
-        proxy = bench.Proxy(name, proc, port, bench.CHAT, port, prefix)
-        await load(proxy, WARMUP)
-        pid = proc.popen.pid
-        callgrind_control(pid, "--instr=on")
-        callgrind_control(pid, "--zero")
-        await load(proxy, requests)
-        callgrind_control(pid, "--dump")
-        callgrind_control(pid, "--instr=off")
-    dumps = sorted(workdir.glob(f"callgrind.{name}.*.1-*"))  # one per thread: -01 is the event loop's
-    if not dumps:
-        raise RuntimeError(f"{name}: callgrind wrote no dump")
+    stubs: Path | None = None  # the proxy's perf map, removed however the run ends
+    try:
+        async with bench.running("host", host_cmd, workdir, host_port, "/health"), \
+                bench.running(name, valgrind + cmd, workdir, port, ready, ready_timeout=300) as proc:
+            proxy = bench.Proxy(name, proc, port, bench.CHAT, port, prefix)
+            pid = proc.popen.pid
+            stubs = Path(PERF_MAP.format(pid=pid)) if functions else None
+            await load(proxy, WARMUP)
+            callgrind_control(pid, "--instr=on")
+            callgrind_control(pid, "--zero")
+            await load(proxy, requests)
+            callgrind_control(pid, "--dump")
+            callgrind_control(pid, "--instr=off")
+        dumps = sorted(workdir.glob(f"callgrind.{name}.*.1-*"))  # one per thread: -01 is the event loop's
+        if not dumps:
+            raise RuntimeError(f"{name}: callgrind wrote no dump")
+        costs: dict[str, FunctionCost] = {}
+        if stubs is not None and tree is not None:
+            costs = python_functions(dumps[0], stubs, requests, cache_sim, f"{tree}/crossbar/")
+    finally:
+        if stubs is not None:
+            stubs.unlink(missing_ok=True)
     threads = [counted(dump) for dump in dumps]
     loop = threads[0]
     misses = {key: loop[key] / requests if key in loop else None for key in ("D1mr", "I1mr")}
-    costs = python_functions(dumps[0], pid, requests, cache_sim) if functions else {}
     return Count(total=sum(t["Ir"] for t in threads) / requests, loop=loop["Ir"] / requests,
                  d1_misses=misses["D1mr"], i1_misses=misses["I1mr"], functions=costs)
 
 
-def python_functions(dump: Path, pid: int, requests: int, cache_sim: bool) -> dict[str, FunctionCost]:
-    """crossbar's functions' inclusive costs in the event loop's dump; the process's perf map is
-    removed once read."""
-    stubs = Path(PERF_MAP.format(pid=pid))
-    try:
-        names = perf_map(stubs.read_text())
-    finally:
-        stubs.unlink(missing_ok=True)
+def python_functions(dump: Path, stubs: Path, requests: int, cache_sim: bool,
+                     package: str) -> dict[str, FunctionCost]:
+    """The inclusive costs, in the event loop's dump, of the functions defined under `package`."""
     shown = "Ir,D1mr" if cache_sim else "Ir"
     annotated = subprocess.run(
         ["callgrind_annotate", "--inclusive=yes", "--threshold=100", f"--show={shown}", str(dump)],
         check=True, capture_output=True, text=True, timeout=600).stdout
-    return function_costs(annotated, names, requests)
+    return function_costs(annotated, perf_map(stubs.read_text()), requests, package)
 
 
 async def measure(trees: Sequence[Path], requests: int, keep: Path | None,
                   cache_sim: bool = False, functions: bool = False) -> dict[str, Count]:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        counting = {"workdir": workdir, "cache_sim": cache_sim, "functions": functions}
-        result = {"mitmdump": await per_request("mitmdump", None, requests, **counting)}
+        result = {"mitmdump": await per_request("mitmdump", None, requests, workdir, cache_sim, functions)}
         for i, tree in enumerate(trees):
-            result[str(tree)] = await per_request(f"crossbar{i}", tree, requests, **counting)
+            result[str(tree)] = await per_request(f"crossbar{i}", tree, requests, workdir, cache_sim,
+                                                  functions)
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
             for dump in workdir.glob("callgrind.*"):
@@ -244,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         head += ["D1 misses (event loop)", "I1 misses (event loop)"]
         for row, count in zip(rows, result.values(), strict=True):
             row += [bench.fmt(count.d1_misses, 0), bench.fmt(count.i1_misses, 0)]
+    if args.functions:
+        print("(all proxies ran with Python's perf trampolines, which add instructions and misses)\n")
     print(bench.markdown(head, rows))
     for name, count in result.items():
         if name != "mitmdump" and args.functions:
@@ -252,14 +279,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps({name: asdict(count) for name, count in result.items()}, indent=2))
     return 0
-
-
-def functions_table(costs: dict[str, FunctionCost], top: int) -> str:
-    """The `top` functions by data cache misses (by instructions without the cache simulation)."""
-    ranked = sorted(costs.items(), key=lambda kv: -(kv[1].d1_misses or kv[1].instructions))[:top]
-    rows = [[name.removeprefix("py::"), bench.fmt(cost.instructions, 0), bench.fmt(cost.d1_misses, 0)]
-            for name, cost in ranked]
-    return bench.markdown(["function (inclusive, per request)", "instructions", "D1 misses"], rows)
 
 
 if __name__ == "__main__":

@@ -245,18 +245,22 @@ class AnswerEdges:
 
     def add(self, piece: bytes) -> None:
         self.total += len(piece)
+        rest = memoryview(piece)  # sliced without copying: only what is kept is copied
         room = HEAD_KEEP - len(self.head)
         if room > 0:
-            self.head += piece[:room]
-            piece = piece[room:]
-        self.tail += piece
+            self.head += rest[:room]
+            rest = rest[room:]
+        if len(rest) >= TAIL_KEEP:
+            self.tail[:] = rest[-TAIL_KEEP:]
+            return
+        self.tail += rest
         if len(self.tail) > TAIL_KEEP:
             del self.tail[:-TAIL_KEEP]
 
     def body(self) -> bytes:
         """The answer itself when it was kept whole, else its edges joined (longer than
         WHOLE_BODY_MAX, so `usage_from_body` reads them at the edges)."""
-        return bytes(self.head + self.tail)
+        return b"".join((self.head, self.tail))
 
 
 class EdgeTap(AnswerEdges):

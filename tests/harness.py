@@ -334,6 +334,7 @@ class RecordingUpstream:
     targets: list[str] = field(default_factory=list)  # path and query of every request, polls included
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
+    chunked: bool = False  # a non-streamed answer sent chunked, without a Content-Length
 
     @property
     def url(self) -> str:
@@ -352,8 +353,16 @@ class RecordingUpstream:
             return web.Response(status=404, body=b'{"error":"nf"}', headers=json_type)
         raw = await request.read()
         self.received.append(raw)
-        if not json.loads(raw).get("stream"):
+        if not json.loads(raw).get("stream") and not self.chunked:
             return web.Response(body=self.json_body, headers={**json_type, **self.extra_headers})
+        if not json.loads(raw).get("stream"):
+            answer = web.StreamResponse(headers={**json_type, **self.extra_headers})
+            answer.enable_chunked_encoding()
+            await answer.prepare(request)
+            for at in range(0, len(self.json_body), 1 << 16):
+                await answer.write(self.json_body[at:at + (1 << 16)])
+            await answer.write_eof()
+            return answer
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **self.extra_headers})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
@@ -367,11 +376,12 @@ class RecordingUpstream:
 
 @asynccontextmanager
 async def recording_upstream(
-    json_body: bytes, chunks: Sequence[bytes], extra_headers: Mapping[str, str] | None = None
+    json_body: bytes, chunks: Sequence[bytes], extra_headers: Mapping[str, str] | None = None,
+    chunked: bool = False,
 ) -> AsyncIterator[RecordingUpstream]:
     from aiohttp import web
 
-    up = RecordingUpstream(json_body, chunks, dict(extra_headers or {}))
+    up = RecordingUpstream(json_body, chunks, dict(extra_headers or {}), chunked=chunked)
     runner = web.ServerRunner(web.Server(up.handle), shutdown_timeout=0.5, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -37,12 +37,14 @@ def test_a_callgrind_dump_is_read_for_its_totals(tmp_path: Path) -> None:
 
 
 _PERF_MAP = """\
-7f00 b py::<module>:/work/main/addons/crossbar.py
-9000 20 py::Route.request:/work/main/crossbar/addons/route.py
-9020 20 py::_run_async.<locals>.hook:/work/main/crossbar/addons/bundle.py
-9040 20 py::_run_async.<locals>.hook:/work/main/crossbar/addons/bundle.py
-9060 20 py::HTTPLayer.handle:/venv/site-packages/mitmproxy/proxy/layers/http/__init__.py
+7f00 b py::<module>:/src/crossbar/addons/crossbar.py
+9000 20 py::Route.request:/src/crossbar/crossbar/addons/route.py
+9020 20 py::_run_async.<locals>.hook:/src/crossbar/crossbar/addons/bundle.py
+9040 20 py::_run_async.<locals>.hook:/src/crossbar/crossbar/addons/bundle.py
+9060 20 py::HTTPLayer.handle:/src/crossbar/.venv/site-packages/mitmproxy/proxy/layers/http/__init__.py
+9080 10 py::Exchange.end:/src/crossbar/crossbar/exchange.py
 """
+# a checkout named like its package, as a clone is: only functions under its crossbar/ count
 _ANNOTATED = """\
 --------------------------------------------------------------------------------
 Ir                     D1mr
@@ -52,26 +54,32 @@ Ir                     D1mr
    600,000 (20.0%)   3,000 ( 5.0%)  ???:0x0000000000009004 [???]
    450,000 (15.0%)   4,500 ( 7.5%)  ???:0x0000000000009020 [???]
    150,000 ( 5.0%)     300 ( 0.5%)  ???:0x000000000000904b [???]
+    60,000 ( 2.0%)           .      ???:0x0000000000009081 [???]
     30,000 ( 1.0%)     600 ( 1.0%)  /python/Python/ceval.c:_PyEval_EvalFrameDefault [libpython3.12.so]
-    10,000 ( 0.3%)      90 ( 0.2%)  ???:0x0000000000008000 [???]
+    20,000 ( 0.7%)     400 ( 0.7%)  ???:0x0000000000009095 [libssl.so.3]
+    10,000 ( 0.3%)      90 ( 0.2%)  ???:0x0000000000007f01 [???]
 """
 
 
 def test_a_python_function_s_inclusive_cost_is_read_through_its_perf_trampoline() -> None:
     stubs = instructions.perf_map(_PERF_MAP)
-    assert stubs[0] == sorted(stubs[0]) and len(stubs[0]) == 5
-    costs = instructions.function_costs(_ANNOTATED, stubs, requests=300)
-    # mitmproxy's function and the addon script's module are not crossbar's package; C code has
-    # no stub; the two stubs of one closure add up
-    route, hook = (f"py::{name}:/work/main/crossbar/addons/{module}.py"
-                   for name, module in (("Route.request", "route"), ("_run_async.<locals>.hook", "bundle")))
-    assert costs == {route: instructions.FunctionCost(2000, 10), hook: instructions.FunctionCost(2000, 16)}
-    instructions_only = "Ir\n   600,000 (20.0%)  ???:0x0000000000009004 [???]\n"
-    only_instructions = instructions.function_costs(instructions_only, stubs, 300)
-    assert only_instructions == {route: instructions.FunctionCost(2000)}
-    table = instructions.functions_table(costs, top=1)
-    assert "_run_async.<locals>.hook:/work/main/crossbar/addons/bundle.py | 2,000 | 16" in table
-    assert "Route.request" not in table
+    assert stubs.starts == sorted(stubs.starts) and len(stubs.names) == 6
+    costs = instructions.function_costs(_ANNOTATED, stubs, requests=300, package="/src/crossbar/crossbar/")
+    # mitmproxy's function and the addon script's module are not the package's; C code has no stub,
+    # nor has an address past the last stub's end; the two stubs of one closure add up; a count
+    # callgrind shows as "." is none
+    route, hook, end = (f"py::{name}:/src/crossbar/crossbar/{module}.py" for name, module in
+                        (("Route.request", "addons/route"), ("_run_async.<locals>.hook", "addons/bundle"),
+                         ("Exchange.end", "exchange")))
+    cost = instructions.FunctionCost
+    assert costs == {route: cost(2000, 10), hook: cost(2000, 16), end: cost(200, 0)}
+    only_instructions = instructions.function_costs(
+        "Ir\n   600,000 (20.0%)  ???:0x0000000000009004 [???]\n", stubs, 300, "/src/crossbar/crossbar/")
+    assert only_instructions == {route: cost(2000)}
+    table = instructions.functions_table(costs, top=2)
+    assert "_run_async.<locals>.hook:/src/crossbar/crossbar/addons/bundle.py | 2,000 | 16" in table
+    # ranked by misses: no miss is 0, not its instructions (200, which would rank it first)
+    assert "Route.request" in table and "Exchange.end" not in table
 
 
 def test_the_other_tree_runs_its_own_entry_script(tmp_path: Path) -> None:

@@ -7,7 +7,10 @@ template routes in metric labels, absolute-form request targets."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import gzip
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -166,6 +169,35 @@ async def test_a_large_answer_is_never_cut_and_keeps_its_figures(tmp_path: Path,
     assert row.status == 200 and row.prompt_tokens == 3
     if "chat" in case:
         assert (row.cached_tokens, row.completion_tokens) == (2, 9)
+
+
+def _incompressible_chat_answer() -> bytes:
+    text = base64.b64encode(random.Random(7).randbytes(2_000_000)).decode()
+    return json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}],
+                       "usage": _CHAT_USAGE, "timings": _TIMINGS}).encode()
+
+
+@pytest.mark.parametrize("case", ["sent chunked", "compressed"])
+async def test_a_large_answer_whose_figures_cannot_be_read_counts_them(tmp_path: Path, case: str) -> None:
+    # chunked: mitmproxy starts streaming it only once its buffer passes the bound, after the
+    # answer's head was seen; compressed: its edges are gzip, not JSON
+    answer = _incompressible_chat_answer()
+    sent = gzip.compress(answer) if case == "compressed" else answer
+    encoding = {"Content-Encoding": "gzip"} if case == "compressed" else {}
+    async with recording_upstream(sent, [b""], encoding, chunked=case == "sent chunked") as up:
+        cfg = write_config(tmp_path / "c.toml", {"a": (up.url, HostSpec({"m": {}}))},
+                           {"r": {"hosts": ["a"], "default_model": "m"}}, max_body="64KiB")
+        async with crossbar_proxy(cfg) as proxy:
+            assert len(sent) > proxy.router.cfg.buffered_body_max
+            question = {"messages": [{"role": "user", "content": "x"}]}
+            async with aiohttp.ClientSession(auto_decompress=False) as session, \
+                    session.post(proxy.url + CHAT, json=question) as got:
+                status, body = got.status, await got.read()
+            (row,) = await request_rows(proxy)
+            _, samples = await scrape(proxy.url)
+    assert status == 200 and body == sent
+    assert row.status == 200 and row.prompt_tokens is None
+    assert summed(samples, "crossbar_usage_figures_dropped_total", host="a") == 1
 
 
 # ---------------------------------------------------------------- a hook that raises

@@ -433,39 +433,68 @@ def test_large_reply_without_usage() -> None:
     assert usage_from_body(b'{"data": [' + b"1, " * 500_000 + b"1]}") is None
 
 
-def _answer(shape: str, filler: int) -> bytes:
-    """An answer with `filler` bytes of text and its figures where `shape` says."""
-    text = "y" * filler
-    figures = {"usage": {"prompt_tokens": 9, "completion_tokens": 2},
-               "timings": {"cache_n": 5, "prompt_n": 4, "predicted_n": 2, "predicted_ms": 3.0}}
-    if shape == "figures first":  # an embeddings reply
-        return json.dumps({"object": "list", **figures, "data": [{"embedding": text}]}).encode()
-    if shape == "figures in the middle":
-        return json.dumps({"a": text, **figures, "b": text}).encode()
-    if shape == "no figures":
-        return json.dumps({"data": text}).encode()
-    return json.dumps({"choices": [{"message": {"content": text}}], **figures}).encode()
+_FIGURES = {"usage": {"prompt_tokens": 9, "completion_tokens": 2, "note": "n" * 5000},  # a long member
+            "timings": {"cache_n": 5, "prompt_n": 4, "predicted_n": 2, "predicted_ms": 3.0}}
+_FIGURES_JSON = json.dumps(_FIGURES)[1:-1]
+_SHAPES = ["figures first", "figures last", "figures in the middle", "figures across the head's end",
+           "figures at the tail's start", "no figures"]
 
 
-@settings(max_examples=60, deadline=None)
-@given(shape=st.sampled_from(["figures first", "figures last", "figures in the middle", "no figures"]),
+def _answer(shape: str, filler: int, size: int) -> bytes:
+    """An answer with its figures where `shape` says, `filler` bytes of text elsewhere, padded
+    with spaces to `size` bytes when it is shorter (before it when its figures are near its end)."""
+    text, head_filler = '"' + "y" * filler + '"', '"' + "y" * (tap.EDGE_BYTES - 20) + '"'
+    tail_filler = '"' + "y" * (tap.EDGE_BYTES - 200) + '"'
+    pieces = {
+        "figures first": f'{{"object": "list", {_FIGURES_JSON}, "data": [{{"embedding": {text}}}]}}',
+        "figures last": f'{{"choices": [{{"message": {{"content": {text}}}}}], {_FIGURES_JSON}}}',
+        "figures in the middle": f'{{"a": {text}, {_FIGURES_JSON}, "b": {text}}}',
+        "no figures": f'{{"data": {text}}}',
+        # `"usage"` begins within the first EDGE_BYTES, its object ends beyond them
+        "figures across the head's end": f'{{"a": {head_filler}, {_FIGURES_JSON}, "b": {text}}}',
+        # `"timings"` begins just within the last EDGE_BYTES
+        "figures at the tail's start": f'{{"a": {text}, {_FIGURES_JSON}, "b": {tail_filler}}}',
+    }
+    body = pieces[shape].encode()
+    padding = b" " * max(0, size - len(body))
+    return padding + body if shape in ("figures last", "figures at the tail's start") else body + padding
+
+
+@settings(max_examples=150, deadline=None)
+@given(shape=st.sampled_from(_SHAPES),
        filler=st.sampled_from([0, 1000, tap.HEAD_KEEP, tap.WHOLE_BODY_MAX, 3 * tap.TAIL_KEEP]),
+       size=st.sampled_from([0, tap.WHOLE_BODY_MAX, tap.WHOLE_BODY_MAX + 1,
+                             tap.HEAD_KEEP + tap.TAIL_KEEP - 1, tap.HEAD_KEEP + tap.TAIL_KEEP,
+                             tap.HEAD_KEEP + tap.TAIL_KEEP + 1]),
        cuts=st.lists(st.integers(min_value=1, max_value=200_000), max_size=12))
-def test_a_streamed_answer_is_read_at_its_edges_as_if_whole(shape: str, filler: int, cuts: list[int]) -> None:
-    body = _answer(shape, filler)
+def test_a_streamed_answer_is_read_at_its_edges_as_if_whole(shape: str, filler: int, size: int,
+                                                            cuts: list[int]) -> None:
+    body = _answer(shape, filler, size)
     edge_tap, at, forwarded = tap.EdgeTap(), 0, []
-    for size in [*cuts, len(body)]:
-        chunk = body[at:at + size]
+    for cut in [*cuts, len(body)]:
+        chunk = body[at:at + cut]
         assert edge_tap(chunk) is chunk  # forwarded as it came
         forwarded.append(chunk)
-        at += size
+        at += cut
         assert len(edge_tap.head) + len(edge_tap.tail) <= tap.HEAD_KEEP + tap.TAIL_KEEP
     assert edge_tap(b"") == b""  # mitmproxy's end of the body
     event(shape)
     assert b"".join(forwarded) == body
     assert edge_tap.usage() == usage_from_body(body)
-    if shape != "figures in the middle" or len(body) <= tap.WHOLE_BODY_MAX:
-        assert edge_tap.usage() == (None if shape == "no figures" else Usage(9, 5, 2, 3.0, 4))
+    found = edge_tap.usage()
+    if shape == "no figures":
+        assert found is None
+    elif shape != "figures in the middle":  # what the shape puts near an edge is found there
+        assert found is not None and found.prompt_tokens == 9
+        assert found == Usage(9, 5, 2, 3.0, 4) or len(body) > tap.WHOLE_BODY_MAX
+
+
+def test_the_edges_kept_cover_what_a_large_answer_is_read_from() -> None:
+    # a member found in the first EDGE_BYTES is whole in the head; the last EDGE_BYTES are in the
+    # tail; and edges joined with a gap between them are read at their edges, as the answer is
+    assert tap.HEAD_KEEP >= tap.EDGE_BYTES + tap.MEMBER_MAX
+    assert tap.TAIL_KEEP >= tap.EDGE_BYTES
+    assert tap.HEAD_KEEP + tap.TAIL_KEEP > tap.WHOLE_BODY_MAX
 
 
 _usage_answers = [

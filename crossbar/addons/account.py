@@ -27,7 +27,7 @@ from crossbar.tap import EdgeTap, SSETap, Usage, usage_from_body
 
 log = logging.getLogger("crossbar")
 
-TAIL = "crossbar.tail"  # flow.metadata key of a streamed answer's EdgeTap
+EDGES = "crossbar.edges"  # flow.metadata key of a streamed answer's EdgeTap
 
 
 class _Plain(enum.Enum):
@@ -48,8 +48,8 @@ class Account:
         if headers.event_stream(flow.response.headers):
             ex.tap = SSETap()
             flow.response.stream = ex.tap
-        elif flow.response.stream:  # mitmproxy streams a body past its buffering bound
-            flow.metadata[TAIL] = flow.response.stream = EdgeTap()
+        elif flow.response.stream:  # mitmproxy streams a body announced past its buffering bound
+            flow.metadata[EDGES] = flow.response.stream = EdgeTap()
 
     async def response(self, flow: http.HTTPFlow) -> None:
         decoded: Usage | _Plain | None = None  # a compressed answer whose decoding failed: no usage
@@ -81,8 +81,8 @@ class Account:
         mitmproxy buffers an answer at; one it cannot read counts as a dropped figure. PLAIN when
         there is no such answer to decode."""
         ex, cfg, response = exchange_of(flow), self.rt.cfg, flow.response
-        if (ex is None or response is None or not ex.completion or ex.tap is not None
-                or TAIL in flow.metadata or flow.metadata.get(LOCAL) or not _encoded(response)):
+        if (ex is None or response is None or not ex.completion or response.stream  # nothing buffered
+                or flow.metadata.get(LOCAL) or not _encoded(response)):
             return PLAIN
         if cfg is None:
             return None
@@ -94,15 +94,15 @@ class Account:
         return found.usage
 
     def _read_answer(self, flow: http.HTTPFlow, ex: Exchange, decoded: Usage | _Plain | None = PLAIN) -> None:
-        if flow.response is None:
+        response = flow.response
+        if response is None:
             return
-        ex.status = flow.response.status_code
+        ex.status = response.status_code
+        edges: EdgeTap | None = flow.metadata.pop(EDGES, None)
         if ex.tap is not None:
             ex.usage = ex.tap.usage
-        elif TAIL in flow.metadata:
-            ex.usage = flow.metadata.pop(TAIL).usage()
         elif ex.completion and not flow.metadata.get(LOCAL):
-            ex.usage = usage_from_body(flow.response.raw_content) if decoded is PLAIN else decoded
+            ex.usage = _answer_usage(response, ex, edges) if decoded is PLAIN else decoded
         if ex.status >= 400 and not ex.err:
             ex.err = f"upstream answered {ex.status}"
 
@@ -114,6 +114,21 @@ class Account:
             ex.usage = ex.tap.usage
         if flow.response is not None and ex.status is None:
             ex.status = flow.response.status_code
+
+
+def _answer_usage(response: http.Response, ex: Exchange, edges: EdgeTap | None) -> Usage | None:
+    """Usage of a completion's answer that is not an event stream nor a buffered compressed one:
+    read whole, or at its edges when it was too large to buffer. mitmproxy also streams an answer
+    without a Content-Length once its buffer passes the bound, after the hook that would have
+    kept its edges: that one, and a compressed one too large to buffer, count a dropped figure."""
+    if edges is None and not response.stream:
+        return usage_from_body(response.raw_content)
+    if edges is not None and not _encoded(response):
+        return edges.usage()
+    why = ("a compressed answer too large to buffer" if edges is not None
+           else "an answer without a Content-Length that grew past the buffering bound")
+    log.warning("crossbar: usage from %s not read from %s", ex.host, why)
+    return Usage(dropped=1)
 
 
 def _encoded(response: http.Response) -> bool:
