@@ -694,7 +694,8 @@ class Router:
         if u is None:
             return
         if u.dropped:
-            log.warning("%s reported %d usage figure(s) out of range; stored as unknown", host, u.dropped)
+            log.warning("%s reported %d usage figure(s) out of range or unreadable; stored as unknown",
+                        host, u.dropped)
             m.usage_dropped.inc((host,), u.dropped)
         if u.prompt_tokens:
             m.tokens.inc((route, host, "prompt"), u.prompt_tokens)

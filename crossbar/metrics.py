@@ -248,8 +248,8 @@ class Metrics:
         for rejection in Rejection:
             self.rejected.ensure((str(rejection),))
         self.usage_dropped = self._add(CounterFamily(
-            "crossbar_usage_figures_dropped", "Usage figures from a host that were out of range (stored as "
-            "NULL)", ("host",)))
+            "crossbar_usage_figures_dropped", "Usage figures from a host that were out of range or "
+            "unreadable (stored as NULL)", ("host",)))
 
     def _add[F: Collector](self, family: F) -> F:
         self.registry.register(family)

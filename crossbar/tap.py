@@ -244,8 +244,8 @@ class AnswerEdges:
         self.head, self.tail, self.total = bytearray(), bytearray(), 0
 
     def add(self, piece: bytes) -> None:
-        self.total += len(piece)
-        rest = memoryview(piece)  # sliced without copying: only what is kept is copied
+        rest = memoryview(piece).cast("B")  # sliced without copying: only what is kept is copied
+        self.total += len(rest)
         room = HEAD_KEEP - len(self.head)
         if room > 0:
             self.head += rest[:room]

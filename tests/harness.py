@@ -335,6 +335,7 @@ class RecordingUpstream:
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
     chunked: bool = False  # a non-streamed answer sent chunked, without a Content-Length
+    status: int = 200  # of a non-streamed answer
 
     @property
     def url(self) -> str:
@@ -353,10 +354,11 @@ class RecordingUpstream:
             return web.Response(status=404, body=b'{"error":"nf"}', headers=json_type)
         raw = await request.read()
         self.received.append(raw)
+        answer_headers = {**json_type, **self.extra_headers}
         if not json.loads(raw).get("stream") and not self.chunked:
-            return web.Response(body=self.json_body, headers={**json_type, **self.extra_headers})
+            return web.Response(status=self.status, body=self.json_body, headers=answer_headers)
         if not json.loads(raw).get("stream"):
-            answer = web.StreamResponse(headers={**json_type, **self.extra_headers})
+            answer = web.StreamResponse(status=self.status, headers=answer_headers)
             answer.enable_chunked_encoding()
             await answer.prepare(request)
             for at in range(0, len(self.json_body), 1 << 16):
@@ -377,11 +379,11 @@ class RecordingUpstream:
 @asynccontextmanager
 async def recording_upstream(
     json_body: bytes, chunks: Sequence[bytes], extra_headers: Mapping[str, str] | None = None,
-    chunked: bool = False,
+    chunked: bool = False, status: int = 200,
 ) -> AsyncIterator[RecordingUpstream]:
     from aiohttp import web
 
-    up = RecordingUpstream(json_body, chunks, dict(extra_headers or {}), chunked=chunked)
+    up = RecordingUpstream(json_body, chunks, dict(extra_headers or {}), chunked=chunked, status=status)
     runner = web.ServerRunner(web.Server(up.handle), shutdown_timeout=0.5, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -200,6 +200,26 @@ async def test_a_large_answer_whose_figures_cannot_be_read_counts_them(tmp_path:
     assert summed(samples, "crossbar_usage_figures_dropped_total", host="a") == 1
 
 
+async def test_a_5xx_that_grows_past_the_bound_without_a_length_is_not_retried(tmp_path: Path) -> None:
+    # held back for a retry, then streamed to the client by mitmproxy once its buffer passed the
+    # bound: what the client got stands, and nothing counts as a dropped figure
+    error = json.dumps({"error": {"code": 500, "message": "x" * 2_000_000}}).encode()
+    answer = b'{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":5,"completion_tokens":1}}'
+    async with recording_upstream(error, [b""], chunked=True, status=500) as failing, \
+            recording_upstream(answer, [b""]) as healthy:
+        hosts = {"a": (failing.url, HostSpec({"m": {}})), "b": (healthy.url, HostSpec({"m": {}}))}
+        cfg = write_config(tmp_path / "c.toml", hosts, {"r": {"hosts": ["a", "b"], "default_model": "m"}},
+                           max_body="64KiB")
+        async with crossbar_proxy(cfg) as proxy:
+            assert len(error) > proxy.router.cfg.buffered_body_max
+            status, _, body = await post(proxy.url + CHAT, {"messages": [{"role": "user", "content": "x"}]})
+            (row,) = await request_rows(proxy)
+            _, samples = await scrape(proxy.url)
+    assert status == 500 and body == error
+    assert healthy.received == [] and row.host == "a" and row.status == 500
+    assert summed(samples, "crossbar_usage_figures_dropped_total") == 0
+
+
 # ---------------------------------------------------------------- a hook that raises
 
 

@@ -239,7 +239,7 @@ def client_library_metrics() -> tuple[CollectorRegistry, dict[str, Any]]:
         "rejected": Counter_("crossbar_rejected", "Requests crossbar answered itself with an error, by "
                              "reason", ["reason"], registry=r),
         "usage_dropped": Counter_("crossbar_usage_figures_dropped", "Usage figures from a host that were out "
-                                  "of range (stored as NULL)", ["host"], registry=r),
+                                  "of range or unreadable (stored as NULL)", ["host"], registry=r),
     }
     for reason in LEASE_REASONS:
         families["lease_moves"].labels(reason)

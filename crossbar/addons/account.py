@@ -48,7 +48,7 @@ class Account:
         if headers.event_stream(flow.response.headers):
             ex.tap = SSETap()
             flow.response.stream = ex.tap
-        elif flow.response.stream:  # mitmproxy streams a body announced past its buffering bound
+        elif flow.response.stream and ex.completion:  # a body announced past the buffering bound
             flow.metadata[EDGES] = flow.response.stream = EdgeTap()
 
     async def response(self, flow: http.HTTPFlow) -> None:
@@ -81,8 +81,8 @@ class Account:
         mitmproxy buffers an answer at; one it cannot read counts as a dropped figure. PLAIN when
         there is no such answer to decode."""
         ex, cfg, response = exchange_of(flow), self.rt.cfg, flow.response
-        if (ex is None or response is None or not ex.completion or response.stream  # nothing buffered
-                or flow.metadata.get(LOCAL) or not _encoded(response)):
+        if (ex is None or response is None or not ex.completion or ex.tap is not None
+                or response.stream or flow.metadata.get(LOCAL) or not _encoded(response)):
             return PLAIN
         if cfg is None:
             return None
@@ -98,16 +98,21 @@ class Account:
         if response is None:
             return
         ex.status = response.status_code
-        edges: EdgeTap | None = flow.metadata.pop(EDGES, None)
         if ex.tap is not None:
             ex.usage = ex.tap.usage
         elif ex.completion and not flow.metadata.get(LOCAL):
-            ex.usage = _answer_usage(response, ex, edges) if decoded is PLAIN else decoded
+            if decoded is not PLAIN:
+                ex.usage = decoded
+            elif not response.stream:  # the usual answer, buffered whole
+                ex.usage = usage_from_body(response.raw_content)
+            else:
+                ex.usage = _streamed_usage(response, ex, flow.metadata.pop(EDGES, None))
         if ex.status >= 400 and not ex.err:
             ex.err = f"upstream answered {ex.status}"
 
     @staticmethod
     def _read_error(flow: http.HTTPFlow, ex: Exchange) -> None:
+        flow.metadata.pop(EDGES, None)  # a cut answer's edges tell nothing
         ex.cancel_deadline()
         ex.err = ex.err or (flow.error.msg if flow.error else "error")
         if ex.tap is not None:
@@ -116,15 +121,15 @@ class Account:
             ex.status = flow.response.status_code
 
 
-def _answer_usage(response: http.Response, ex: Exchange, edges: EdgeTap | None) -> Usage | None:
-    """Usage of a completion's answer that is not an event stream nor a buffered compressed one:
-    read whole, or at its edges when it was too large to buffer. mitmproxy also streams an answer
-    without a Content-Length once its buffer passes the bound, after the hook that would have
-    kept its edges: that one, and a compressed one too large to buffer, count a dropped figure."""
-    if edges is None and not response.stream:
-        return usage_from_body(response.raw_content)
+def _streamed_usage(response: http.Response, ex: Exchange, edges: EdgeTap | None) -> Usage | None:
+    """Usage of a completion's answer streamed because it was too large to buffer: read at its
+    edges. mitmproxy also streams an answer without a Content-Length once its buffer passes the
+    bound, after the hook that would have kept its edges: that one, and a compressed one, count
+    a dropped figure (an error answer carries none to drop)."""
     if edges is not None and not _encoded(response):
         return edges.usage()
+    if response.status_code >= 400:
+        return None
     why = ("a compressed answer too large to buffer" if edges is not None
            else "an answer without a Content-Length that grew past the buffering bound")
     log.warning("crossbar: usage from %s not read from %s", ex.host, why)

@@ -160,6 +160,10 @@ class Failover:
         if ex is None or not ex.retry_pending or self.rt.router is None or ex.finished:
             return
         ex.retry_pending = False
+        if flow.response is not None and flow.response.stream:
+            # an answer without a Content-Length that grew past the buffering bound: mitmproxy
+            # streamed it to the client after all, so it stands
+            return
         try:
             await self._retry(flow, ex)
         except Exception:  # the client gets the first answer; the request still ends normally
