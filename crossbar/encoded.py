@@ -11,7 +11,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from crossbar.tap import AnswerEdges, Usage, usage_from_body
+from crossbar.tap import AnswerEdges, Usage
 
 DECODE_STEP = 1 << 20  # decoded bytes produced per step
 _WBITS = {"gzip": (31,), "x-gzip": (31,), "deflate": (15, -15)}  # deflate: zlib-wrapped, else raw
@@ -54,7 +54,7 @@ def usage_of_encoded(raw: bytes, encoding: str, cap: int) -> EncodedUsage:
         return EncodedUsage(None, f"not read from a {encoding[:32]!r}-encoded answer")
     for wbits in tried:
         try:
-            return EncodedUsage(usage_from_body(_inflate(raw, wbits, cap).body()))
+            return EncodedUsage(_inflate(raw, wbits, cap).usage())
         except OverCap:
             return EncodedUsage(None, f"not read from an answer over {cap} bytes decoded")
         except zlib.error:

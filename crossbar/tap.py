@@ -262,6 +262,9 @@ class AnswerEdges:
         WHOLE_BODY_MAX, so `usage_from_body` reads them at the edges)."""
         return b"".join((self.head, self.tail))
 
+    def usage(self) -> Usage | None:
+        return usage_from_body(self.body())
+
 
 class EdgeTap(AnswerEdges):
     """Streaming callable for an answer too large to buffer: every chunk is returned unchanged
@@ -273,9 +276,6 @@ class EdgeTap(AnswerEdges):
     def __call__(self, chunk: bytes) -> bytes:
         self.add(chunk)
         return chunk
-
-    def usage(self) -> Usage | None:
-        return usage_from_body(self.body())
 
 
 class SSETap:

@@ -355,9 +355,10 @@ class RecordingUpstream:
         raw = await request.read()
         self.received.append(raw)
         answer_headers = {**json_type, **self.extra_headers}
-        if not json.loads(raw).get("stream") and not self.chunked:
+        streamed = json.loads(raw).get("stream")
+        if not streamed and not self.chunked:
             return web.Response(status=self.status, body=self.json_body, headers=answer_headers)
-        if not json.loads(raw).get("stream"):
+        if not streamed:
             answer = web.StreamResponse(status=self.status, headers=answer_headers)
             answer.enable_chunked_encoding()
             await answer.prepare(request)
