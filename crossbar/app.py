@@ -398,7 +398,8 @@ class Router:
 
     async def _slot_until_usable(self, ex: Exchange, gone: asyncio.Event | None) -> None:
         placed: Placement | None = None
-        for _ in range(len(ex.route.hosts) + 2):  # + 1: a queued turn may yield once
+        yielding = False  # `placed` is where a queued turn yields to
+        for _ in range(len(ex.route.hosts) + 3):  # + 2: a queued turn may yield once, and come back
             try:
                 if placed is None:
                     await self.take_slot(ex, gone)
@@ -407,7 +408,16 @@ class Router:
             except HostDown:
                 pass
             except Yielded as moved:
-                placed = moved.placement
+                placed, yielding = moved.placement, True
+                continue
+            except errors.CrossbarError as exc:
+                if not yielding or exc.reason != Rejection.QUEUE_FULL:
+                    raise
+                # the host it yielded to filled its queue before the turn got there: it waits at
+                # home again (it yields at most once), where its lease still is
+                log.info("%s/%s could not yield to %s (its queue filled); it waits on %s again",
+                         ex.key.route, ex.model, placed.host if placed else "", ex.host)
+                placed, yielding, ex.err = None, False, None
                 continue
             else:
                 if self.usable(ex):
@@ -415,7 +425,7 @@ class Router:
                 ex.drop_slot()
             log.warning("%s went down while %s/%s waited for it; placing it again", ex.host,
                         ex.key.route, ex.model)
-            placed = await self.place(ex)
+            placed, yielding = await self.place(ex), False
         raise errors.no_healthy_host([], self._poll_wait())
 
     async def take_slot(self, ex: Exchange, gone: asyncio.Event | None) -> None:

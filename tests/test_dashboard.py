@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from html.parser import HTMLParser
 from pathlib import Path
@@ -41,6 +42,35 @@ def chromium() -> str:
     pytest.skip("Chromium is not installed; set CROSSBAR_BROWSER_TESTS=1 to require these tests")
 
 
+@pytest.fixture(autouse=True)
+def chromium_temp_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Chromium keeps a profile's lock socket (and, with `--disable-dev-shm-usage`, its shared
+    memory) in a directory of its own under TMPDIR, which a killed Chromium leaves behind. Each
+    test gives the processes it starts a TMPDIR of their own, short (a socket's path has about a
+    hundred bytes) and removed afterwards; nothing may be left in the system's temp dir."""
+    system = Path(tempfile.gettempdir())
+    before = set(system.glob("org.chromium.Chromium.*"))
+    scratch = Path(tempfile.mkdtemp(prefix="crossbar-chromium-"))
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    try:
+        yield
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    left = set(system.glob("org.chromium.Chromium.*")) - before
+    assert not left, f"chromium left {sorted(map(str, left))} behind"
+
+
+async def stop_chromium(proc: asyncio.subprocess.Process) -> None:
+    """Let Chromium shut down (it removes its lock files then); kill it only if it will not."""
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            proc.kill()
+    await proc.wait()
+
+
 async def run_chromium(url: str, profile: Path, *extra: str, budget_ms: int = 3000) -> str:
     """Load `url`, let its scripts run for `budget_ms` of virtual time, return stdout."""
     proc = await asyncio.create_subprocess_exec(
@@ -50,8 +80,7 @@ async def run_chromium(url: str, profile: Path, *extra: str, budget_ms: int = 30
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 90)
     except TimeoutError:
-        proc.kill()
-        await proc.wait()
+        await stop_chromium(proc)
         raise
     assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
     return out.decode()
@@ -171,9 +200,7 @@ async def devtools_page(url: str, tmp_path: Path) -> AsyncIterator[DevToolsPage]
             async with s.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
                 yield DevToolsPage(ws)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-        await proc.wait()
+        await stop_chromium(proc)
 
 
 async def wait_for_value(page: DevToolsPage, expression: str, ok: Any, timeout: float = 20) -> Any:
