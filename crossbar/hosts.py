@@ -108,7 +108,7 @@ def read_models(body: Any) -> tuple[dict[str, str], int]:
         value = status.get("value") if isinstance(status, dict) else None
         aliases = entry.get("aliases")
         for name in [entry["id"], *(aliases if isinstance(aliases, list) else ())]:
-            if name in out:
+            if isinstance(name, str) and name in out:  # (an alias may be any JSON value)
                 continue
             if not _model_name(name) or len(out) >= MODELS_MAX:
                 ignored += 1
@@ -343,37 +343,47 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]
 async def _parse_json(raw: bytes) -> Any:
     try:
         return json.loads(raw) if len(raw) <= PARSE_OFF_LOOP else await asyncio.to_thread(json.loads, raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
         return None
 
 
-async def poll_host(session: aiohttp.ClientSession, conf: HostConf) -> PollResult:
-    """One health round for one host. Never asks about a model a router has not loaded."""
-    base = conf.base_url
+async def poll_host(session: aiohttp.ClientSession, conf: HostConf, timeout: float) -> PollResult:
+    """One health round for one host, all of it (a router's questions about each loaded model
+    included) within `timeout`. Never asks about a model a router has not loaded. Whatever the
+    host answers, the result is a `PollResult`: an answer crossbar cannot make sense of is a
+    failed poll, never an exception."""
     try:
-        status, _ = await _get_json(session, f"{base}/health")
-        if status != 200:
-            return PollResult(ok=False, error=f"/health answered {status}")
-        status, body = await _get_json(session, f"{base}/v1/models")
-        if status != 200:
-            return PollResult(ok=False, error=f"/v1/models answered {status}")
-        statuses, ignored = read_models(body)
-        status, body = await _get_json(session, f"{base}/props")
-        router, host_ctx = parse_props(body) if status == 200 else (False, ModelCtx())
-        res = PollResult(ok=True, router=router, n_ctx=host_ctx.n_ctx, slots=host_ctx.slots,
-                         ignored_models=ignored)
-        if router:
-            res.loaded = frozenset(m for m, s in statuses.items() if s == "loaded")
-            await _poll_router_models(session, base, res)
-        else:
-            res.loaded = frozenset(statuses)
-            status, body = await _get_json(session, f"{base}/slots")
-            free = parse_free_slots(body) if status == 200 else None
-            if free is not None:
-                res.free_slots[""] = free
-        return res
+        async with asyncio.timeout(timeout):
+            return await _poll(session, conf.base_url)
     except (aiohttp.ClientError, TimeoutError, OSError, PollAnswerTooLarge) as exc:
         return PollResult(ok=False, error=_describe(exc))
+    except Exception as exc:  # an answer the readers above did not expect: the host is not usable
+        log.warning("polling %s failed on its answer", conf.base_url, exc_info=True)
+        return PollResult(ok=False, error=f"unreadable answer ({type(exc).__name__})")
+
+
+async def _poll(session: aiohttp.ClientSession, base: str) -> PollResult:
+    status, _ = await _get_json(session, f"{base}/health")
+    if status != 200:
+        return PollResult(ok=False, error=f"/health answered {status}")
+    status, body = await _get_json(session, f"{base}/v1/models")
+    if status != 200:
+        return PollResult(ok=False, error=f"/v1/models answered {status}")
+    statuses, ignored = read_models(body)
+    status, body = await _get_json(session, f"{base}/props")
+    router, host_ctx = parse_props(body) if status == 200 else (False, ModelCtx())
+    res = PollResult(ok=True, router=router, n_ctx=host_ctx.n_ctx, slots=host_ctx.slots,
+                     ignored_models=ignored)
+    if router:
+        res.loaded = frozenset(m for m, s in statuses.items() if s == "loaded")
+        await _poll_router_models(session, base, res)
+    else:
+        res.loaded = frozenset(statuses)
+        status, body = await _get_json(session, f"{base}/slots")
+        free = parse_free_slots(body) if status == 200 else None
+        if free is not None:
+            res.free_slots[""] = free
+    return res
 
 
 async def _poll_router_models(session: aiohttp.ClientSession, base: str, res: PollResult) -> None:
@@ -460,22 +470,24 @@ class Poller:
         return self._session
 
     async def poll_once(self) -> None:
+        """Poll every host at once; each host's result is applied as soon as it is in, so that a
+        slow host holds up none of the others (and no host takes longer than `timeout`)."""
         names: Sequence[str] = list(self.fleet.conf)
-        session = self._client()
-        started = self.fleet.clock()
-        before = {n: self._usage(n) for n in names}
-        results = await asyncio.gather(*(poll_host(session, self.fleet.conf[n]) for n in names))
-        for name, res in zip(names, results, strict=True):
-            self._apply(name, res, started, before[name])
+        await asyncio.gather(*(self.poll_one(name) for name in names))
         self.rounds += 1
         if self.on_round:
             self.on_round()
 
     async def poll_one(self, name: str) -> None:
-        """Poll one host now (a host being woken up), outside the regular rounds."""
-        started = self.fleet.clock()
-        before = self._usage(name)
-        self._apply(name, await poll_host(self._client(), self.fleet.conf[name]), started, before)
+        """Poll one host now: in a round, or outside the rounds (a host woken up, or added by a
+        reload). Never raises: one host's poll cannot cost the others theirs."""
+        try:
+            conf, session = self.fleet.conf[name], self._client()
+            started = self.fleet.clock()
+            before = self._usage(name)
+            self._apply(name, await poll_host(session, conf, self.timeout), started, before)
+        except Exception:  # a crossbar bug: logged, and the next round tries again
+            log.warning("crossbar: applying the poll of %s failed", name, exc_info=True)
 
     def _usage(self, name: str) -> dict[str, tuple[int, int]]:
         return self.usage(name) if self.usage else {}
@@ -498,6 +510,7 @@ class Poller:
         while True:
             try:
                 await self.poll_once()
-            except Exception:  # a poll bug must not kill health tracking
-                log.exception("health poll round failed")
+            except Exception:  # a poll bug must not kill health tracking (nor, logged as an error
+                # during start-up, make mitmproxy exit)
+                log.warning("health poll round failed", exc_info=True)
             await asyncio.sleep(self.interval)

@@ -4,14 +4,19 @@ that never makes a llama-server router load a model."""
 from __future__ import annotations
 
 import asyncio
-from contextlib import suppress
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
 from types import MappingProxyType
 
 import pytest
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from samples_util import SAMPLES, load
 
+from crossbar import hosts as hosts_module
 from crossbar.config import HostConf, ModelConf
 from crossbar.hosts import (
     MODELS_MAX,
@@ -352,3 +357,93 @@ async def _chat(url: str, model: str) -> None:
     ) as resp:
         assert resp.status == 200
         await resp.read()
+
+
+# ---------------------------------------------------------------- a host that lies or dawdles
+
+
+@asynccontextmanager
+async def answering(answers: dict[str, bytes], delay: float = 0.0) -> AsyncIterator[str]:
+    """A stand-in host answering GET path → body (`/slots?...` by its path alone), each answer
+    `delay` seconds late except /health."""
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path != "/health":
+            await asyncio.sleep(delay)
+        return web.Response(body=answers.get(request.path, b"{}"), content_type="application/json")
+
+    runner = web.ServerRunner(web.Server(handle), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nobody listens there once it is closed
+
+
+HEALTHY = {"/health": b'{"status": "ok"}', "/props": b'{"total_slots": 2}', "/slots": b"[]"}
+
+
+def test_model_aliases_of_any_json_type_are_ignored() -> None:
+    body = {"data": [{"id": "m", "aliases": [{"x": 1}, ["y"], 3, None, "alias"]}]}
+    assert read_models(body) == ({"m": "loaded", "alias": "loaded"}, 4)
+
+
+@pytest.mark.parametrize("models", [
+    json.dumps({"data": [{"id": "m", "aliases": [{"x": 1}]}]}).encode(),
+    b'{"data":' + b"[" * 200_000 + b"]" * 200_000 + b"}",  # deeper than the JSON parser goes
+], ids=["unhashable alias", "deep nesting"])
+async def test_a_lying_host_costs_no_other_host_its_poll(models: bytes) -> None:
+    async with answering({**HEALTHY, "/v1/models": models}) as liar:
+        fleet = Fleet({"liar": host_conf("liar", liar), "dead": host_conf("dead", closed_port_url())})
+        poller = Poller(fleet, interval=60, timeout=5)
+        try:
+            await poller.poll_once()
+        finally:
+            await poller.stop()
+    assert not fleet.healthy("dead") and fleet.state["dead"].last_err  # its poll was applied
+    assert fleet.healthy("liar") and not fleet.knows("liar", "x")
+    assert poller.rounds == 1
+
+
+async def test_an_answer_the_readers_choke_on_fails_that_hosts_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(body: object) -> tuple[dict[str, str], int]:
+        raise KeyError("a reader bug")
+
+    monkeypatch.setattr(hosts_module, "read_models", broken)
+    async with answering({**HEALTHY, "/v1/models": b'{"data": []}'}) as url:
+        fleet = Fleet({"a": host_conf("a", url)})
+        poller = Poller(fleet, interval=60, timeout=5)
+        try:
+            await poller.poll_once()
+        finally:
+            await poller.stop()
+    assert not fleet.healthy("a") and fleet.state["a"].last_err == "unreadable answer (KeyError)"
+
+
+async def test_one_slow_host_holds_up_no_other_and_its_whole_poll_is_timed() -> None:
+    names = [f"m{i}" for i in range(10)]  # a router: two questions per loaded model, each 0.4 s late
+    router = {**HEALTHY, "/props": b'{"role": "router"}',
+              "/v1/models": json.dumps({"data": [{"id": n, "status": {"value": "loaded"}} for n in names]}
+                                       ).encode()}
+    async with answering(router, delay=0.4) as slow:
+        fleet = Fleet({"slow": host_conf("slow", slow), "dead": host_conf("dead", closed_port_url())})
+        poller = Poller(fleet, interval=60, timeout=1)
+        try:
+            started = asyncio.get_running_loop().time()
+            round_ = asyncio.ensure_future(poller.poll_once())
+            while fleet.healthy("dead"):
+                assert not round_.done()
+                await asyncio.sleep(0.02)
+            assert asyncio.get_running_loop().time() - started < 0.9  # before the slow host's poll ended
+            async with asyncio.timeout(5):  # each question is in time: the whole poll is not
+                await round_
+        finally:
+            await poller.stop()
+    assert not fleet.healthy("slow") and fleet.state["slow"].last_err == "timed out"
