@@ -62,7 +62,7 @@ def host_of(header: str) -> str:
     if value.startswith("["):
         return canonical_host(value[1:].partition("]")[0])
     host, sep, port = value.rpartition(":")
-    if sep and port.isdigit() and ":" not in host:
+    if sep and port.isascii() and port.isdigit() and ":" not in host:
         value = host
     return canonical_host(value)
 
@@ -145,7 +145,7 @@ def _authority(host_header: str, default_port: int) -> tuple[str, int] | None:
         else (value.rpartition(":")[0], ":" + value.rpartition(":")[2]) if value.count(":") == 1 \
         else (value, "")
     port = port.removeprefix(":")
-    if port and not port.isdigit():
+    if port and not (port.isascii() and port.isdigit()):  # ("²".isdigit(), but int() refuses it)
         return None
     return canonical_host(host), int(port) if port else default_port
 
@@ -165,4 +165,5 @@ def _token_ok(headers: Mapping[str, str], policy: AdminPolicy) -> bool:
     scheme, _, given = headers.get("authorization", "").strip().partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(given.strip().encode(), policy.token.encode())
+    # a header value's bytes that are not UTF-8 come as surrogates: compared as those bytes
+    return hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), policy.token.encode())

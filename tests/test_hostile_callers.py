@@ -110,6 +110,27 @@ async def test_admin_token(tmp_path: Path) -> None:
         assert status == 200 and b"<html" in page
 
 
+async def raw_admin_change(proxy: Proxy, *head: bytes) -> tuple[int, dict[str, str], bytes]:
+    """A drain of host a with these head lines, in bytes as a client may send them."""
+    raw = (b"POST /_crossbar/hosts/a HTTP/1.1\r\n" + b"".join(line + b"\r\n" for line in head)
+           + b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+           % len(DRAIN) + DRAIN)
+    return split_response(await raw_http(proxy.port, raw))
+
+
+@pytest.mark.parametrize(("what", "head", "top", "status"), [
+    ("a Host port of non-ASCII digits", ("Host: 127.0.0.1:²".encode(), b"Origin: http://127.0.0.1"), {}, 403),
+    ("a token that is not UTF-8", (b"Host: 127.0.0.1", b"Authorization: Bearer \xff\xfe-not-it"),
+     {"admin_token": TOKEN}, 401),
+])
+async def test_odd_bytes_in_admin_heads_get_a_json_refusal(tmp_path: Path, what: str, head: tuple[bytes, ...],
+                                                           top: dict[str, Any], status: int) -> None:
+    async with admin_fleet(tmp_path, **top) as proxy:
+        got, headers, body = await raw_admin_change(proxy, *head)
+        assert (got, headers.get("content-type")) == (status, JSON), (what, got, body[:300])
+        assert not proxy.router.fleet.draining("a")
+
+
 async def test_admin_peers(tmp_path: Path) -> None:
     async with admin_fleet(tmp_path, identity="header", admin_peers=["talos"]) as proxy:
         status, _ = await call(proxy, "GET", "/_crossbar/hosts", X_Crossbar_Peer="dixie")

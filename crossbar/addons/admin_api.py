@@ -36,16 +36,15 @@ class AdminApi:
             rt.answer(flow, exc, None)
             return
         r = flow.request
-        denied = admin_access.refusal(r.method, r.path, r.headers, flow.client_conn.sockname[0], names,
-                                      rt.admin_policy)
-        if denied is not None:
-            rt.answer(flow, denied, None)
-            return
         try:
-            reply = await rt.admin.handle(
-                flow.request.method, flow.request.path, flow.request.headers, flow.request.raw_content or b""
-            )
-        except Exception:  # e.g. the database cannot be read: a JSON 500, never a traceback page
+            denied = admin_access.refusal(r.method, r.path, r.headers, flow.client_conn.sockname[0], names,
+                                          rt.admin_policy)
+            if denied is not None:
+                rt.answer(flow, denied, None)
+                return
+            reply = await rt.admin.handle(r.method, r.path, r.headers, r.raw_content or b"")
+        except Exception:  # e.g. the database cannot be read: a JSON 500, never a traceback page, and
+            # never the request passed on to the placeholder upstream
             log.exception("crossbar: admin request failed")
             rt.answer(flow, errors.internal("the admin API failed; see crossbar's log"), None)
             return
