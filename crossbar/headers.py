@@ -37,4 +37,4 @@ def has_any(headers: http.Headers, names: frozenset[bytes]) -> bool:
 
 def event_stream(headers: http.Headers) -> bool:
     """Whether the message is a server-sent event stream (its Content-Type says so)."""
-    return value(headers, b"content-type", "").startswith("text/event-stream")
+    return value(headers, b"content-type", "").lstrip().lower().startswith("text/event-stream")

@@ -11,6 +11,7 @@ cached part larger than the prompt) is stored as unknown (None) and counted in `
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -19,6 +20,8 @@ from typing import Any
 
 from crossbar import jsonread
 from crossbar.jsonread import UNREAD
+
+log = logging.getLogger("crossbar")
 
 MAX_LINE = 1024 * 1024  # longer SSE lines are forwarded but not scanned
 MAX_TOKENS = 100_000_000  # no context or answer comes near this; larger figures are not believed
@@ -82,7 +85,7 @@ class _Figures:
         if value is None:
             return None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            ms = float(value)
+            ms = float(value) if -MAX_MILLIS <= value <= MAX_MILLIS else math.inf  # float(10**400) raises
             if math.isfinite(ms) and 0 <= ms <= MAX_MILLIS:
                 return ms
         self.dropped += 1
@@ -290,6 +293,7 @@ class SSETap:
     __slots__ = (
         "_clock",
         "_dropping",
+        "_failed",
         "_max_line",
         "_tail",
         "done",
@@ -306,6 +310,7 @@ class SSETap:
         self._max_line = max_line
         self._tail = bytearray()
         self._dropping = False  # inside an over-long line: skip up to its newline
+        self._failed = False  # an event could not be read (logged once)
         self.usage: Usage | None = None
         self.done = False
         self.saw_done_marker = False
@@ -392,6 +397,16 @@ class SSETap:
         return any(buf.find(marker, start, end) != -1 for marker in _FINISH)
 
     def _parse(self, payload: bytes | bytearray) -> None:
+        try:
+            self._read_event(payload)
+        except Exception:  # figures crossbar cannot read must never stop the stream they ride on
+            if not self._failed:
+                log.warning("crossbar: an event of a streamed answer could not be read; its figures are "
+                            "dropped", exc_info=True)
+            self._failed = True
+            self.usage = merge(self.usage, Usage(dropped=1))
+
+    def _read_event(self, payload: bytes | bytearray) -> None:
         obj = _read(payload)
         if not isinstance(obj, dict):
             return

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from accounting_util import scrape, summed
 from harness import (
     HostSpec,
     Proxy,
@@ -187,3 +188,71 @@ async def test_a_retried_answer_over_the_bound_is_crossbars_502(tmp_path: Path) 
     assert status == 502 and body["error"]["type"] == "bad_gateway", body
     assert "retried answer is over" in body["error"]["message"]
     assert 'crossbar_rejected_total{reason="upstream_too_large"} 1.0' in text
+
+
+# ---------------------------------------------------------------- answers crossbar streams through
+
+
+def sse_head(content_type: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n\r\n" % content_type
+
+
+def sse_chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+@asynccontextmanager
+async def behind_raw_host(tmp_path: Path, complete: Any) -> AsyncIterator[Proxy]:
+    """One host whose every completion answer `complete(writer)` writes byte for byte."""
+    async with raw_upstream(complete) as url:
+        cfg = write_config(tmp_path / "c.toml", {"a": (url, HostSpec({"m": {"parallel": 1}}))},
+                           {"r": {"hosts": ["a"], "default_model": "m"}})
+        async with crossbar_proxy(cfg) as proxy:
+            yield proxy
+
+
+STREAMED = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+async def test_a_figure_too_large_for_a_float_does_not_stop_the_stream(tmp_path: Path) -> None:
+    events = [b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n',
+              b'data: {"choices":[{"finish_reason":"stop","delta":{}}],"timings":{"predicted_n":1,'
+              b'"predicted_ms":1' + b"0" * 400 + b"}}\n\n",  # orjson refuses it; json reads a Python int
+              b"data: [DONE]\n\n"]
+
+    async def complete(writer: asyncio.StreamWriter) -> None:
+        writer.write(sse_head(b"text/event-stream"))
+        writer.write(b"".join(map(sse_chunk, events)) + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with behind_raw_host(tmp_path, complete) as proxy:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
+                s.post(proxy.url + CHAT, json=STREAMED) as resp:
+            got = await resp.read()
+        (row,) = await request_rows(proxy)
+        _, samples = await scrape(proxy.url)
+    dropped = summed(samples, "crossbar_usage_figures_dropped_total", host="a")
+    assert got == b"".join(events)  # the whole stream, unchanged
+    assert (row.status, row.err, row.completion_tokens) == (200, None, 1)
+    assert dropped == 1  # the time was out of range
+
+
+async def test_an_event_stream_named_in_capitals_is_streamed(tmp_path: Path) -> None:
+    first = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+    more = asyncio.Event()
+
+    async def complete(writer: asyncio.StreamWriter) -> None:
+        writer.write(sse_head(b"Text/Event-Stream"))
+        writer.write(sse_chunk(first))
+        await writer.drain()
+        await more.wait()
+        writer.write(sse_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with behind_raw_host(tmp_path, complete) as proxy, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, \
+            s.post(proxy.url + CHAT, json=STREAMED) as resp:
+        got = await asyncio.wait_for(resp.content.readline(), 5)  # before the host sends the rest
+        more.set()
+        await resp.read()
+    assert got == first.rstrip(b"\n") + b"\n"

@@ -592,3 +592,19 @@ def test_a_recorded_llama_server_reply_takes_the_shortcut(name: str) -> None:
     """(else the property above would hold vacuously for the replies that matter)"""
     reply = json.loads(_body(name))
     assert tap._plain_usage(reply["usage"], reply["timings"]) == BODIES[name]
+
+
+def test_a_time_too_large_for_a_float_is_dropped_not_raised() -> None:
+    u = usage_from_object({"timings": {"predicted_n": 1, "predicted_ms": 10**400, "prompt_ms": -(10**400)}})
+    assert u is not None and (u.predicted_ms, u.prompt_ms, u.dropped) == (None, None, 2)
+
+
+def test_a_tap_whose_reading_fails_passes_every_chunk_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(obj: object) -> Usage:
+        raise ValueError("a reader bug")
+
+    monkeypatch.setattr(tap, "usage_from_object", broken)
+    t = SSETap()
+    chunks = [b'data: {"timings": {"predicted_n": 1}}\n\n', b'data: {"usage": {"prompt_tokens": 1}}\n\n', b""]
+    assert [t(c) for c in chunks] == chunks
+    assert t.usage is not None and t.usage.dropped == 2
