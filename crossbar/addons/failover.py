@@ -94,13 +94,16 @@ class Failover:
                         lambda host: self._first_byte_overdue(flow, host))
 
     def _first_byte_overdue(self, flow: http.HTTPFlow, host: str) -> None:
-        """The host accepted the request but sent nothing for `first_byte_timeout`: close its
-        connection so the client gets an answer (mitmproxy's 502) instead of waiting forever.
-        `host` is the one the timer was armed for; a request moved since is not its fault."""
+        """The host accepted the request but the client has no first byte after
+        `first_byte_timeout`: the host sent nothing, or (an answer crossbar buffers) has not sent
+        all of it. Close its connection so the client gets crossbar's 502 (`error`) instead of
+        waiting forever. `host` is the one the timer was armed for; a request moved since is not
+        its fault."""
         ex, router = flow.metadata.get(META), self.rt.router
         if ex is None or ex.ttfb_ms is not None or not flow.live or router is None or ex.host != host:
             return
-        ex.err = f"no first byte from {host} within {router.cfg.first_byte_timeout:g}s"
+        missing = "first byte" if flow.response is None else "complete answer"
+        ex.err = f"no {missing} from {host} within {router.cfg.first_byte_timeout:g}s"
         router.passive_mark(host, ex.err)
         if not close_socket(flow, flow.server_conn):
             log.warning("could not close the upstream connection of a hung request to %s", host)
@@ -143,11 +146,15 @@ class Failover:
     # ------------------------------------------------------------ the answer
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
+        """A streamed answer's first byte goes to the client now. A buffered one's goes with the
+        whole answer (`response`): until then nothing has reached the client, and the first-byte
+        deadline keeps running, so a host that sends a head and then stalls is bounded too."""
         ex = flow.metadata.get(META)
         if ex is None or flow.metadata.get(LOCAL) or flow.response is None:
             return
-        ex.cancel_deadline()
-        ex.mark_first_byte()
+        if flow.response.stream or headers.event_stream(flow.response.headers):
+            ex.cancel_deadline()
+            ex.mark_first_byte()
         ex.status = flow.response.status_code
         if ex.ctx_moved:
             flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
@@ -157,7 +164,11 @@ class Failover:
 
     async def response(self, flow: http.HTTPFlow) -> None:
         ex = flow.metadata.get(META)
-        if ex is None or not ex.retry_pending or self.rt.router is None or ex.finished:
+        if ex is None or ex.finished or flow.metadata.get(LOCAL):
+            return
+        ex.cancel_deadline()  # a buffered answer is whole: its first byte goes to the client now
+        ex.mark_first_byte()
+        if not ex.retry_pending or self.rt.router is None:
             return
         ex.retry_pending = False
         if flow.response is not None and flow.response.stream:
@@ -241,7 +252,8 @@ class Failover:
             return
         ex.cancel_deadline()
         msg = flow.error.msg if flow.error else "error"
-        if flow.response is not None or ex.ttfb_ms is not None or not ex.forwarded:
+        # nothing reached the client yet: no answer, or a buffered one cut before it was whole
+        if (flow.response is not None and flow.response.stream) or ex.ttfb_ms is not None or not ex.forwarded:
             return
         if _is_connect_failure(msg):
             router.passive_mark(ex.host, msg)
