@@ -536,10 +536,12 @@ class Router:
         result = self._place_once(ex, Reason.UNHEALTHY, {host: ahead})
         return result if isinstance(result, Placement) and result.decision == Decision.YIELD else None
 
-    async def _take_then_settle(self, ex: Exchange, placed: Placement, gone: asyncio.Event | None) -> None:
-        """Take the slot on the placed host, then apply the lease change. When no slot can be had
-        (queue full, client gone) nothing changes: the exchange keeps its host and the lease
-        stays where it was."""
+    async def _take_then_settle(self, ex: Exchange, placed: Placement, gone: asyncio.Event | None,
+                                settle: bool = True) -> None:
+        """Take the slot on the placed host, then apply the lease change (unless `settle` is
+        False: the caller applies it later, `follow`). When no slot can be had (queue full,
+        client gone) nothing changes: the exchange keeps its host and the lease stays where it
+        was."""
         failed = ex.host
         ex.host = placed.host
         try:
@@ -547,27 +549,35 @@ class Router:
         except (errors.CrossbarError, ClientGone, HostDown):
             ex.host = failed
             raise
-        self._settle(ex, placed)
+        if settle:
+            self._settle(ex, placed)
 
     async def move(self, ex: Exchange, why: str, gone: asyncio.Event | None,
-                   reason: Reason = Reason.UNHEALTHY) -> None:
+                   reason: Reason = Reason.UNHEALTHY, settle: bool = True) -> Placement:
         """The request's host failed it before anything reached the client: place it elsewhere
-        and take a slot there; the lease follows only then. Raises the client's answer
-        (`CrossbarError`) when there is nowhere to go, e.g. a pinned route whose host is down;
-        the exchange then still names the host that failed."""
+        and take a slot there; the lease follows only then (with `settle` False, only when the
+        caller says so, `follow`). Raises the client's answer (`CrossbarError`) when there is
+        nowhere to go, e.g. a pinned route whose host is down; the exchange then still names the
+        host that failed."""
         failed = ex.host
         ex.excluded.add(failed)
         ex.drop_slot()
         placed = await self.place(ex, why=reason)
         if ex.completion:
             try:
-                await self._take_then_settle(ex, placed, gone)
+                await self._take_then_settle(ex, placed, gone, settle)
             except HostDown as exc:
                 raise errors.no_healthy_host([], self._poll_wait()) from exc
         else:
             ex.host = placed.host
         ex.decision = Decision.RETRIED
         log.warning("%s on %s: moved %s/%s to %s", why, failed, ex.key.route, ex.model, ex.host)
+        return placed
+
+    def follow(self, ex: Exchange, placed: Placement) -> None:
+        """The lease follows a move made with `settle` False, now that its host answered."""
+        if ex.completion:
+            self.leases.apply(ex.key, placed.change, time.time())
 
     def sent(self, ex: Exchange) -> None:
         """The request goes upstream to its host now (again, after a move): it counts as running

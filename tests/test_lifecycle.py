@@ -35,6 +35,7 @@ from harness import (
     wait_until,
     write_config,
 )
+from test_hostile_limits import raw_upstream
 
 from llamasim import SimConfig
 
@@ -114,6 +115,46 @@ async def test_a_500_retry_without_a_slot_changes_nothing(tmp_path: Path) -> Non
     assert rows[-2].host == "b" and rows[-2].status == 500
     assert sorted(lease.values()) == ["a", "b"]
     assert not [e for e in events if e.reason in ("retried", "unhealthy")]
+
+
+@pytest.mark.parametrize("retry_host", ["resets", "never answers"])
+async def test_a_retry_that_fails_leaves_the_row_and_the_lease_with_the_host_that_answered(
+        tmp_path: Path, retry_host: str) -> None:
+    async def complete(writer: asyncio.StreamWriter) -> None:  # b takes the retry
+        if retry_host == "resets":
+            writer.transport.abort()
+        else:
+            await asyncio.sleep(3600)
+
+    specs = {"a": spec(weight=2, fail_status=500, fail_times=1)}  # a places the new conversation
+    async with sim_fleet(specs) as fleet, raw_upstream(complete) as b_url:
+        hosts = {"a": (fleet["a"].url, specs["a"]), "b": (b_url, HostSpec({"m": {"parallel": 1}}))}
+        cfg = write_config(tmp_path / "c.toml", hosts, {"r": {"hosts": ["a", "b"], "default_model": "m"}},
+                           first_byte_timeout="1s")
+        async with crossbar_proxy(cfg) as proxy:
+            status, _, body = await post(proxy.url + CHAT, turn("s", 0, max_tokens=1))
+            (row,) = await request_rows(proxy)
+            leases = [lease.host for lease in proxy.router.leases.leases_of("r")]
+            events = [(e.from_host, e.to_host, e.reason) for e in await lease_event_rows(proxy)]
+            _, samples = await scrape(proxy.url)
+    assert status == 500 and b"simulated failure" in body  # a's own answer reached the client
+    assert (row.host, row.status, row.decision) == ("a", 500, "retried"), row
+    assert row.err is not None and row.err.startswith("retry on b failed"), row.err
+    assert leases == ["a"] and events == [(None, "a", "new")]
+    assert summed(samples, "crossbar_requests_total", host="a", status="500") == 1
+    assert summed(samples, "crossbar_requests_total", host="b") == 0
+
+
+async def test_a_retry_that_answers_moves_the_lease_once_it_has(tmp_path: Path) -> None:
+    specs = {"a": spec(weight=2, fail_status=500, fail_times=1), "b": spec()}
+    async with fleet_with_route(tmp_path, specs) as (_fleet, proxy):
+        status, headers, _ = await post(proxy.url + CHAT, turn("s", 0, max_tokens=1))
+        (row,) = await request_rows(proxy)
+        leases = [lease.host for lease in proxy.router.leases.leases_of("r")]
+        events = [(e.from_host, e.to_host, e.reason) for e in await lease_event_rows(proxy)]
+    assert status == 200 and headers.get("X-Crossbar-Retried") == "1"
+    assert (row.host, row.status, row.decision) == ("b", 200, "retried")
+    assert leases == ["b"] and events == [(None, "a", "new"), ("a", "b", "retried")]
 
 
 # ---------------------------------------------------------------- TTFB of a retried answer

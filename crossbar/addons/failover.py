@@ -183,26 +183,41 @@ class Failover:
 
     async def _retry(self, flow: http.HTTPFlow, ex: Exchange) -> None:
         """A 5xx before anything reached the client: send the request once to another host and
-        answer with the whole reply. A retry that cannot run (no other host, no slot) changes
-        nothing: the client gets the first answer. A client that leaves meanwhile cancels it
-        (the engine stops, the slot is freed)."""
+        answer with the whole reply. A retry that cannot run (no other host, no slot), that fails,
+        or whose client leaves meanwhile (the engine stops, the slot is freed) changes nothing:
+        the client gets the first answer (if still there), the row names the host that gave it,
+        and the lease stays. The lease follows the retry only once its host answered."""
         rt, router = self.rt, self.rt.router
         assert router is not None and rt.session is not None and flow.response is not None
-        status = flow.response.status_code
+        status, first = flow.response.status_code, ex.host
         marked = status in PASSIVE_DOWN_STATUSES
         if marked:
             router.passive_mark(ex.host, f"answered {status}")
-        gone = rt.gone_event(flow)
         try:
             # a 500 leaves the host healthy ("Context size has been exceeded."): not "unhealthy"
             reason = Reason.UNHEALTHY if marked else Reason.RETRIED
-            await router.move(ex, f"answered {status}", gone, reason=reason)
+            placed = await router.move(ex, f"answered {status}", rt.gone_event(flow), reason=reason,
+                                       settle=False)
         except CrossbarError as exc:
             ex.err = f"upstream answered {status}; not retried: {exc.message}"
             return
         except ClientGone:
             ex.err = f"upstream answered {status}; the client left before a retry"
             return
+        answered = False
+        try:
+            answered = await self._resend(flow, ex, router)
+        finally:
+            if answered:
+                router.follow(ex, placed)
+            else:
+                ex.host = first
+
+    async def _resend(self, flow: http.HTTPFlow, ex: Exchange, router: Router) -> bool:
+        """Send the request to the host it moved to; True when that host's answer replaces the
+        first one (or crossbar's 502 for an answer too large to hold does)."""
+        rt = self.rt
+        assert rt.session is not None
         ex.retried = True
         router.sent(ex)
         conf = router.host_conf(ex.host)
@@ -211,7 +226,7 @@ class Failover:
             forward_headers(flow.request.headers.items()), flow.request.raw_content or b"",
             router.cfg.connect_timeout, router.cfg.first_byte_timeout, router.cfg.buffered_body_max,
         ))
-        left = asyncio.ensure_future(gone.wait())
+        left = asyncio.ensure_future(rt.gone_event(flow).wait())
         try:
             await asyncio.wait({retry, left}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -219,17 +234,17 @@ class Failover:
         if not retry.done():
             retry.cancel()
             ex.err = "client left during the retry"
-            return
+            return False
         try:
             new_status, answer_headers, body = retry.result()
         except AnswerTooLarge as exc:
             rt.answer(flow, CrossbarError(502, "bad_gateway", f"{exc} (2 x max_body + 1 MiB)",
                                           reason=Rejection.UPSTREAM_TOO_LARGE), ex)
-            return
+            return True
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             router.passive_mark(ex.host, f"retry failed: {exc}")
             ex.err = f"retry on {ex.host} failed: {exc}"
-            return
+            return False
         if new_status in PASSIVE_DOWN_STATUSES:
             router.passive_mark(ex.host, f"answered {new_status}")
         ex.ttfb_ms = ex.elapsed_ms()  # the client gets its first byte now, with the whole answer
@@ -245,6 +260,7 @@ class Failover:
             tap(body)
             tap(b"")
             ex.tap = tap
+        return True
 
     def error(self, flow: http.HTTPFlow) -> None:
         ex, router = flow.metadata.get(META), self.rt.router
