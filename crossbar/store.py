@@ -78,8 +78,12 @@ from crossbar.writebehind import Op, WriteBehind, one_line
 log = logging.getLogger("crossbar.store")
 
 USAGE_KEYS = ("route", "model", "host", "decision")
-# request and health rows may be shed under pressure; leases, lease events and rollups never are
-_DROPPABLE = ("request", "health")
+# request rows, health observations, lease events and change notices may be shed under pressure
+# (oldest first, counted); lease rows never are: their queued writes collapse into each lease's
+# latest state (`_COALESCED`), so they stay as many as the leases however long the database is away.
+# A change notice lost that way costs nothing lasting: the other instances read the shared state
+# back when their change feed returns.
+_DROPPABLE = ("request", "health", "event", "notify")
 # a request's row and a lease's last use ("touch") may wait a second to be written; every other
 # operation, a lease change included, is written within a quarter of one
 _LAZY = ("request", "touch")
@@ -462,7 +466,8 @@ class Store:
         self.bad_figures = 0  # figures out of their sane range, stored as unknown
         self._bad_lock = threading.Lock()
         self._queue = WriteBehind(
-            self, name=self.label, droppable=_DROPPABLE, lazy=_LAZY, max_pending=max_pending, log=log
+            self, name=self.label, droppable=_DROPPABLE, lazy=_LAZY, max_pending=max_pending, log=log,
+            coalesce=dict.fromkeys(_LEASE_OPS, _LEASE_KEY),
         )
         self._writer: Engine | None = None
         self._reader: Engine | None = None

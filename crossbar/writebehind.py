@@ -13,7 +13,10 @@ failure) is split into single operations so that only the refused ones are dropp
 `dropped`) and everything behind them lands.
 
 Only when more than `max_pending` operations wait are the oldest operations of a droppable kind
-shed (counted in `dropped`); other kinds never are.
+shed (counted in `dropped`); other kinds never are. An operation of a kind listed in `coalesce`
+replaces the one of the same key (`coalesce[kind](data)`) that still waits, where the sink would
+apply only the later one anyway: the operations kept of those kinds are at most two per key (one
+waiting, one being written), however long the database is away.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Hashable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Protocol
@@ -40,6 +43,7 @@ class Op:
     seq: int
     kind: str
     data: Any  # what the sink needs to apply it: a mapping of columns, or a row's values
+    key: Hashable = None  # of a coalesced kind: the key a later operation replaces it by
 
 
 _SEQ = attrgetter("seq")
@@ -81,6 +85,7 @@ class WriteBehind:
         linger: float = LINGER,
         lazy: Collection[str] = (),
         lazy_linger: float = LAZY_LINGER,
+        coalesce: Mapping[str, Callable[[Any], Hashable]] | None = None,
     ) -> None:
         self.sink = sink
         self.name = name  # where the rows go, for log lines
@@ -91,6 +96,7 @@ class WriteBehind:
         self.linger = linger
         self.lazy = frozenset(lazy)
         self.lazy_linger = max(linger, lazy_linger)
+        self.coalesce = dict(coalesce or {})
         self.errors = 0
         self.dropped = 0
         self.written = 0
@@ -102,6 +108,7 @@ class WriteBehind:
         self._urgent = 0  # callers blocked in flush(): write now
         self._ordered: deque[Op] = deque()  # never dropped
         self._rows: deque[Op] = deque()  # droppable: oldest shed beyond max_pending
+        self._waiting: dict[Hashable, Op] = {}  # the waiting operation of each coalesced key
         self._seq = 0
         self._due = math.inf  # time.monotonic() by which what waits must be written
         self._inflight = 0
@@ -166,15 +173,25 @@ class WriteBehind:
     # -- enqueue (never blocks on I/O, never raises) ----------------------------------------------
 
     def put(self, kind: str, data: Any) -> None:
+        key_of = self.coalesce.get(kind)
+        key = key_of(data) if key_of is not None else None
         with self._lock:
             if self._closed:
                 self.dropped += 1
                 return
             self._seq += 1
+            if key is not None and (waiting := self._waiting.get(key)) is not None:
+                waiting.kind, waiting.data = kind, data  # the later state of the key, in its place
+                if self._sooner(kind):
+                    self._has_work.notify()
+                return
             queued = len(self._ordered) + len(self._rows)
             if queued == 0:  # nothing waits (a shed backlog may have left a due time behind)
                 self._due = math.inf
-            (self._rows if kind in self.droppable else self._ordered).append(Op(self._seq, kind, data))
+            op = Op(self._seq, kind, data, key)
+            (self._rows if kind in self.droppable else self._ordered).append(op)
+            if key is not None:
+                self._waiting[key] = op
             if queued + 1 + self._inflight > self.max_pending:  # self.pending, without the call
                 self._drop_oldest()
             if self._sooner(kind) or queued + 1 >= self.batch:  # the writer only needs waking for these
@@ -196,7 +213,9 @@ class WriteBehind:
         """Under the lock: shed the oldest droppable operations down to max_pending."""
         shed = 0
         while self._rows and self.pending > self.max_pending:
-            self._rows.popleft()
+            op = self._rows.popleft()
+            if op.key is not None and self._waiting.get(op.key) is op:
+                del self._waiting[op.key]
             shed += 1
         self.dropped += shed
         if shed and not self._dropping:
@@ -234,6 +253,7 @@ class WriteBehind:
             batch = self._pop_batch()
             if not (self._ordered or self._rows):  # else the rest stays due when the batch was
                 self._due = math.inf
+            self._forget_keys(batch)
             self._inflight = len(batch)
             self._inflight_first = batch[0].seq
             if not self._rows:
@@ -257,6 +277,17 @@ class WriteBehind:
         self._rows.clear()
         batch.sort(key=_SEQ)  # two runs in order: the sort merges them
         return batch
+
+    def _forget_keys(self, batch: list[Op]) -> None:
+        """Under the lock: the batch's operations no longer wait; later ones of their keys queue anew."""
+        if not self._waiting:
+            return
+        if not (self._ordered or self._rows):
+            self._waiting.clear()
+            return
+        for op in batch:
+            if op.key is not None and self._waiting.get(op.key) is op:
+                del self._waiting[op.key]
 
     def _pop_next(self) -> Op:
         if not self._rows:

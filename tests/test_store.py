@@ -733,3 +733,37 @@ def test_an_exchange_row_has_the_columns_in_order() -> None:
     row = dict(zip(REQUEST_COLUMNS, bare.row(), strict=True))
     absent = ("host", "prompt_tokens", "cached_tokens", "completion_tokens", "decision")
     assert [row[c] for c in absent] == [None] * 5
+
+
+def test_an_absent_database_holds_each_lease_once_and_sheds_the_oldest_events(tmp_path: Path) -> None:
+    """While the database refuses every write, a conversation's turns keep one write of its lease
+    waiting (not one per turn), and lease events beyond max_pending are shed oldest first, counted."""
+    from crossbar.lease import LeaseTable
+    from crossbar.placement import Change, LeaseChange
+
+    db = tmp_path / "crossbar.db"
+    Store(str(db)).open()  # the file and its tables
+    store = Store(str(db), max_pending=1000)
+    store._writer_url = lambda: URL.create(  # type: ignore[method-assign]  # every write refused
+        "sqlite", database=f"file:{db}", query={"mode": "ro", "uri": "true"})
+    store.open()
+    store.start()
+    try:
+        table = LeaseTable(store, idle=1800)
+        table.subscribe(lambda e: store.record_event(e.ts, e.key.route, e.key.fp, e.key.model, e.from_host,
+                                                     e.to_host, str(e.reason)))  # as the router does
+        key = Key("r", "f" * 64, "m")
+        table.apply(key, LeaseChange(Change.CREATE, "alpha"), T0)
+        for i in range(20_000):  # one conversation's turns
+            table.hold(key)
+            table.apply(key, LeaseChange(Change.USE, "alpha"), T0 + i)
+            table.unhold(key, T0 + i)
+        assert store.pending <= 4 and store.dropped == 0  # its lease (written, waiting) and event
+        for i in range(2_000):  # new conversations: a lease and an event each
+            table.apply(Key("r", f"{i:064x}", "m"), LeaseChange(Change.CREATE, "alpha"), T0 + i)
+        # every lease's latest write still waits (never shed: as many as the leases); the events
+        # beyond max_pending were shed, oldest first
+        assert table.count() == 2001 and store.pending <= 2001 + 2
+        assert store.dropped >= 1000
+    finally:
+        store.close(timeout=0.2)

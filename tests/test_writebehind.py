@@ -159,3 +159,54 @@ def test_an_operation_after_a_shed_backlog_is_still_written_when_due() -> None:
     finally:
         gate.set()
         queue.stop()
+
+
+class DownSink(MemorySink):
+    """The database is away until `back` is set; then commits like MemorySink."""
+
+    def __init__(self) -> None:
+        super().__init__(RuntimeError("unused"))
+        self.back = threading.Event()
+        self.attempts = threading.Event()
+
+    def commit(self, ops: list[Op]) -> None:
+        self.attempts.set()
+        if not self.back.is_set():
+            raise sqlite_error("unable to open database file")
+        super().commit(ops)
+
+
+def coalescing_queue(sink: MemorySink, max_pending: int = 100) -> WriteBehind:
+    return WriteBehind(sink, name="memory", droppable=("row",), max_pending=max_pending, log=log, linger=0,
+                       coalesce={"lease": lambda d: d["k"], "touch": lambda d: d["k"]})
+
+
+def test_the_writes_of_a_key_waiting_on_an_absent_database_stay_two() -> None:
+    sink = DownSink()
+    queue = coalescing_queue(sink)
+    queue.put("lease", {"k": "a", "n": 0})
+    queue.start("test-writer")
+    assert sink.attempts.wait(5)  # that first write is held by the writer, retrying
+    for n in range(1, 20_001):  # then every turn touches the lease again
+        queue.put("touch", {"k": "a", "n": n})
+        queue.put("touch", {"k": "b", "n": n})
+    assert (queue.pending, queue.dropped) == (3, 0)  # a's write in flight; a's and b's latest waiting
+    sink.back.set()
+    assert queue.flush(timeout=15)
+    assert sink.rows == [{"k": "a", "n": 0}, {"k": "a", "n": 20_000}, {"k": "b", "n": 20_000}]
+    queue.stop()
+
+
+def test_a_later_write_of_a_key_takes_the_waiting_ones_place_and_kind() -> None:
+    sink = MemorySink(RuntimeError("unused"))
+    queue = coalescing_queue(sink)
+    queue.put("touch", {"k": "a", "n": 1})
+    queue.put("row", {"n": 2})
+    queue.put("lease", {"k": "a", "n": 3})  # replaces the touch, ahead of the row
+    queue.put("other", {"n": 4})  # a kind not coalesced: kept as it is
+    queue.put("other", {"n": 4})
+    assert queue.pending == 4
+    queue.start("test-writer")
+    assert queue.flush(timeout=5)
+    assert sink.rows == [{"k": "a", "n": 3}, {"n": 2}, {"n": 4}, {"n": 4}]
+    queue.stop()
