@@ -482,10 +482,12 @@ class Poller:
         """Poll one host now: in a round, or outside the rounds (a host woken up, or added by a
         reload). Never raises: one host's poll cannot cost the others theirs."""
         try:
-            conf, session = self.fleet.conf[name], self._client()
+            conf, session, state = self.fleet.conf[name], self._client(), self.fleet.state.get(name)
             started = self.fleet.clock()
             before = self._usage(name)
-            self._apply(name, await poll_host(session, conf, self.timeout), started, before)
+            result = await poll_host(session, conf, self.timeout)
+            if self.fleet.state.get(name) is state:  # else a reload gave it another address meanwhile
+                self._apply(name, result, started, before)
         except Exception:  # a crossbar bug: logged, and the next round tries again
             log.warning("crossbar: applying the poll of %s failed", name, exc_info=True)
 

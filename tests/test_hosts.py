@@ -447,3 +447,19 @@ async def test_one_slow_host_holds_up_no_other_and_its_whole_poll_is_timed() -> 
         finally:
             await poller.stop()
     assert not fleet.healthy("slow") and fleet.state["slow"].last_err == "timed out"
+
+
+async def test_a_poll_of_an_address_a_reload_replaced_meanwhile_is_not_applied() -> None:
+    old = {**HEALTHY, "/v1/models": b'{"data": [{"id": "old-model"}]}'}
+    async with answering(old, delay=0.3) as old_url:
+        fleet = Fleet({"a": host_conf("a", old_url)})
+        poller = Poller(fleet, interval=60, timeout=5)
+        try:
+            polling = asyncio.ensure_future(poller.poll_one("a"))
+            await asyncio.sleep(0.1)  # the old address is being polled
+            fleet.reconfigure({"a": host_conf("a", closed_port_url())})  # a reload moves the host
+            await polling
+        finally:
+            await poller.stop()
+    state = fleet.state["a"]
+    assert not state.polled and not fleet.knows("a", "old-model")  # nothing learned from the old server
