@@ -102,6 +102,10 @@ class Failover:
         ex, router = flow.metadata.get(META), self.rt.router
         if ex is None or ex.ttfb_ms is not None or not flow.live or router is None or ex.host != host:
             return
+        if flow.response is not None and flow.response.stream:
+            # an answer without a Content-Length that outgrew the buffering bound: mitmproxy
+            # streams it to the client from then on (it calls no hook there), so bytes are flowing
+            return
         missing = "first byte" if flow.response is None else "complete answer"
         ex.err = f"no {missing} from {host} within {router.cfg.first_byte_timeout:g}s"
         router.passive_mark(host, ex.err)
@@ -152,15 +156,15 @@ class Failover:
         ex = flow.metadata.get(META)
         if ex is None or flow.metadata.get(LOCAL) or flow.response is None:
             return
-        if flow.response.stream or headers.event_stream(flow.response.headers):
-            ex.cancel_deadline()
-            ex.mark_first_byte()
         ex.status = flow.response.status_code
         if ex.ctx_moved:
             flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
         # a streamed answer (a body beyond mitmproxy's buffering bound) cannot be held back
         if ex.completion and ex.status in RETRY_STATUSES and not ex.retried and not flow.response.stream:
             ex.retry_pending = True  # leave the (small) error body buffered: nothing reaches the client yet
+        elif flow.response.stream or headers.event_stream(flow.response.headers):
+            ex.cancel_deadline()  # streamed: its first byte goes to the client now
+            ex.mark_first_byte()
 
     async def response(self, flow: http.HTTPFlow) -> None:
         ex = flow.metadata.get(META)
