@@ -575,8 +575,13 @@ class Router:
         return placed
 
     def follow(self, ex: Exchange, placed: Placement) -> None:
-        """The lease follows a move made with `settle` False, now that its host answered."""
-        if ex.completion:
+        """The lease follows a move made with `settle` False, now that its host answered: only
+        when it is still where the move found it. Meanwhile another turn may have moved it (to
+        the same host, say), or an operator pinned or released its route: that stands."""
+        if not ex.completion:
+            return
+        lease = self.leases.view(ex.key)
+        if lease.host == placed.change.from_host and lease.pin in ("", placed.host):
             self.leases.apply(ex.key, placed.change, time.time())
 
     def sent(self, ex: Exchange) -> None:

@@ -1,0 +1,66 @@
+"""The lease follows a retry only once the retry's host answered, and only from where the retry
+found it: what happened to the lease meanwhile (another turn moved it, an operator pinned or
+released the route) stands."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from test_yield_race import CHAT, TURN, router
+
+from crossbar.app import Router
+from crossbar.decisions import Reason
+from crossbar.exchange import Exchange
+from crossbar.placement import Change, LeaseChange, Placement
+
+
+def turn(r: Router) -> Exchange:
+    ex = Exchange(route=r.cfg.routes["r"], key=TURN, path=CHAT, completion=True, prompt_bytes=100)
+    r.admit(ex)
+    return ex
+
+
+async def retried_to_b(r: Router) -> tuple[Exchange, Placement, list[tuple[str | None, str | None, str]]]:
+    """A turn of the conversation leased to a, answered 503 there and moved to b for its retry
+    (the lease not yet following); the lease events so far."""
+    events: list[tuple[str | None, str | None, str]] = []
+    r.leases.subscribe(lambda e: events.append((e.from_host, e.to_host, str(e.reason))))
+    r.leases.apply(TURN, LeaseChange(Change.CREATE, "a"), time.time())
+    first = turn(r)
+    await r.lease(first, None)
+    r.passive_mark("a", "answered 503")
+    placed = await r.move(first, "answered 503", None, reason=Reason.UNHEALTHY, settle=False)
+    assert first.host == "b" and r.leases.view(TURN).host == "a"
+    return first, placed, events
+
+
+async def test_the_lease_follows_an_answered_retry(tmp_path: Path) -> None:
+    with router(tmp_path) as r:
+        first, placed, events = await retried_to_b(r)
+        r.follow(first, placed)
+        first.end()
+        assert r.leases.view(TURN).host == "b"
+    assert events == [(None, "a", "new"), ("a", "b", "unhealthy")]
+
+
+@pytest.mark.parametrize("meanwhile", ["another turn moved it", "the route was pinned",
+                                       "the route was released"])
+async def test_what_happened_to_the_lease_during_the_retry_stands(tmp_path: Path, meanwhile: str) -> None:
+    with router(tmp_path) as r:
+        first, placed, events = await retried_to_b(r)
+        first.drop_slot()  # b has one slot: the other turn may take it
+        if meanwhile == "another turn moved it":
+            second = turn(r)
+            await r.lease(second, None)
+            assert second.host == "b"
+            second.end()
+        elif meanwhile == "the route was pinned":
+            r.pin_route("r", "b", ("a", "b"))
+        else:
+            r.release_route("r")
+        before = list(events)
+        r.follow(first, placed)
+        first.end()
+        assert events == before  # following changed nothing more
