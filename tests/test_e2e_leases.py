@@ -280,7 +280,9 @@ async def test_a_client_that_leaves_during_a_5xx_retry_stops_the_retry(tmp_path:
         await wait_until(lambda: fleet["b"].stats.aborted == 1, timeout=10, what="b stops generating")
         await wait_until(lambda: proxy.router.in_flight("b", "m") == 0, what="the slot freed")
         row = await last_row(proxy)
-        assert row.host == "b" and row.err and "client" in row.err
+        # b never answered: the row names the host that did, with its answer's status
+        assert (row.host, row.status) == ("a", 500) and row.err and "client" in row.err
+        assert list((await leases_of(proxy)).values()) == ["a"]  # not moved by the abandoned retry
         assert not proxy.addon.current  # nothing kept for a connection that is gone
 
 
