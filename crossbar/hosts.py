@@ -348,18 +348,25 @@ async def _parse_json(raw: bytes) -> Any:
 
 
 async def poll_host(session: aiohttp.ClientSession, conf: HostConf, timeout: float) -> PollResult:
-    """One health round for one host, all of it (a router's questions about each loaded model
-    included) within `timeout`. Never asks about a model a router has not loaded. Whatever the
-    host answers, the result is a `PollResult`: an answer crossbar cannot make sense of is a
-    failed poll, never an exception."""
+    """One health round for one host: `/health`, `/v1/models`, `/props` (and `/slots`) within
+    `timeout`, else the poll fails; on a router, the questions about each loaded model within as
+    long again, those left unanswered by then unknown this round (a busy router answers them
+    slowly; that is no reason to mark it down). Never asks about a model a router has not loaded.
+    Whatever the host answers, the result is a `PollResult`: an answer crossbar cannot make sense
+    of is a failed poll, never an exception."""
     try:
         async with asyncio.timeout(timeout):
-            return await _poll(session, conf.base_url)
+            res = await _poll(session, conf.base_url)
+        if res.router:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await _poll_router_models(session, conf.base_url, res)
+        return res
     except (aiohttp.ClientError, TimeoutError, OSError, PollAnswerTooLarge) as exc:
         return PollResult(ok=False, error=_describe(exc))
     except Exception as exc:  # an answer the readers above did not expect: the host is not usable
-        log.warning("polling %s failed on its answer", conf.base_url, exc_info=True)
-        return PollResult(ok=False, error=f"unreadable answer ({type(exc).__name__})")
+        log.debug("polling %s failed on its answer", conf.base_url, exc_info=True)  # kept in last_err
+        return PollResult(ok=False, error=f"unreadable answer ({type(exc).__name__}: {_describe(exc)})")
 
 
 async def _poll(session: aiohttp.ClientSession, base: str) -> PollResult:
@@ -376,7 +383,6 @@ async def _poll(session: aiohttp.ClientSession, base: str) -> PollResult:
                      ignored_models=ignored)
     if router:
         res.loaded = frozenset(m for m, s in statuses.items() if s == "loaded")
-        await _poll_router_models(session, base, res)
     else:
         res.loaded = frozenset(statuses)
         status, body = await _get_json(session, f"{base}/slots")
