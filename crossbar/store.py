@@ -2,8 +2,10 @@
 
 The proxy's event loop never waits on the database: every write is an operation put on the
 write-behind queue (`crossbar.writebehind`), applied by one background writer thread in batches.
-Lease rows and lease events are never dropped; request/health rows are shed (oldest first, counted)
-only when more than `max_pending` operations wait.
+A lease's waiting writes collapse into its latest state and are never dropped; request rows,
+health observations and lease events are shed (oldest first, counted) only when more than
+`max_pending` operations wait; past that, change notices give way to one that has every instance
+read the shared state back.
 
 Reads (admin, usage, lease loading) use a second engine whose connections are `query_only`, so
 they neither block nor are blocked by the writer (WAL). They are synchronous: the proxy calls them
@@ -78,12 +80,12 @@ from crossbar.writebehind import Op, WriteBehind, one_line
 log = logging.getLogger("crossbar.store")
 
 USAGE_KEYS = ("route", "model", "host", "decision")
-# request rows, health observations, lease events and change notices may be shed under pressure
-# (oldest first, counted); lease rows never are: their queued writes collapse into each lease's
-# latest state (`_COALESCED`), so they stay as many as the leases however long the database is away.
-# A change notice lost that way costs nothing lasting: the other instances read the shared state
-# back when their change feed returns.
-_DROPPABLE = ("request", "health", "event", "notify")
+# request rows, health observations and lease events may be shed under pressure (oldest first,
+# counted); lease rows never are: each lease's waiting writes collapse into its latest state. Change
+# notices are not shed either (another instance would miss a change until it restarts): past
+# max_pending waiting operations they give way to one notice that has every instance read the
+# shared state back (`publish`).
+_DROPPABLE = ("request", "health", "event")
 # a request's row and a lease's last use ("touch") may wait a second to be written; every other
 # operation, a lease change included, is written within a quarter of one
 _LAZY = ("request", "touch")
@@ -349,6 +351,11 @@ _KIND = attrgetter("kind")  # of an operation
 _LEASE_KEY = itemgetter("route", "fp", "model")  # of a lease operation's data
 
 
+def _one_key(data: Any) -> str:
+    """The key of an operation of which at most one waits (coalesced)."""
+    return ""
+
+
 def _figure(value: Any, low: int, high: int) -> int | None:
     """A whole figure within [low, high], else None (unknown): an upstream's absurd usage
     (2**70 tokens, 1e308, NaN) is never stored, so no sum of stored figures can overflow."""
@@ -467,7 +474,7 @@ class Store:
         self._bad_lock = threading.Lock()
         self._queue = WriteBehind(
             self, name=self.label, droppable=_DROPPABLE, lazy=_LAZY, max_pending=max_pending, log=log,
-            coalesce=dict.fromkeys(_LEASE_OPS, _LEASE_KEY),
+            coalesce={**dict.fromkeys(_LEASE_OPS, _LEASE_KEY), "resync": _one_key},
         )
         self._writer: Engine | None = None
         self._reader: Engine | None = None
@@ -639,6 +646,11 @@ class Store:
             log.warning("store: a %s change is too large to publish (%d bytes)", change.kind, len(payload))
             self._queue.count_dropped()
             return
+        if self._queue.pending >= self._queue.max_pending:  # the database is long away: one notice
+            # for all, asking every instance to read the shared state back, stands for the others
+            resync = replace(Change("resync"), instance=change.instance)
+            self._queue.put("resync", {"c": CHANNEL, "p": resync.payload()})
+            return
         self._queue.put("notify", {"c": CHANNEL, "p": payload})
 
     def schedule_rollup(self, older_than: float) -> None:
@@ -699,7 +711,7 @@ class Store:
             if kind in _LEASE_OPS:
                 leases[_LEASE_KEY(op.data)] = op  # the last operation on a key wins
             else:
-                rows[kind].append(op.data)
+                rows["notify" if kind == "resync" else kind].append(op.data)
         self._apply_leases(conn, list(leases.values()))
         self._apply_drains(conn, list({d["host"]: d for d in rows["drain"]}.values()))  # likewise per host
         for kind, table in (("event", EVENTS), ("health", HEALTH)):

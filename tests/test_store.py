@@ -767,3 +767,21 @@ def test_an_absent_database_holds_each_lease_once_and_sheds_the_oldest_events(tm
         assert store.dropped >= 1000
     finally:
         store.close(timeout=0.2)
+
+
+def test_past_max_pending_change_notices_give_way_to_one_resync(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Instances sharing a database tell each other their changes; a notice is never shed (another
+    instance would miss that change until it restarts), and past max_pending waiting operations
+    one notice asking every instance to read the shared state back stands for the rest."""
+    from crossbar.shared import Change
+
+    monkeypatch.setattr(Store, "postgres", property(lambda self: True))
+    store = Store(str(tmp_path / "crossbar.db"), max_pending=100)  # never started: everything waits
+    for i in range(1_000):
+        store.publish(Change("lease", route="r", fp=f"{i:064x}", model="m", host="a"))
+    waiting = [(op.kind, op.data["p"]) for op in store._queue._ordered]
+    assert store.pending == 101 and store.dropped == 0
+    assert [kind for kind, _ in waiting] == ["notify"] * 100 + ["resync"]
+    assert Change.parse(waiting[-1][1]) == Change("resync")
+    store.close(timeout=0)
