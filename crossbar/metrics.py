@@ -233,7 +233,7 @@ class Metrics:
             "crossbar_queue_wait_seconds", "Time spent waiting for a slot", ("host", "model"),
             _LATENCY_BUCKETS))
         self.ttfb = self._add(HistogramFamily(
-            "crossbar_ttfb_seconds", "Time from request to the upstream's first byte", ("host",),
+            "crossbar_ttfb_seconds", "Time from request to the client's first byte", ("host",),
             _LATENCY_BUCKETS))
         self.lease_moves = self._add(CounterFamily(
             "crossbar_lease_moves", "Lease changes by reason (lease_events rows, drains excepted)",

@@ -140,6 +140,8 @@ async def test_a_retry_that_fails_leaves_the_row_and_the_lease_with_the_host_tha
     assert status == 500 and b"simulated failure" in body  # a's own answer reached the client
     assert (row.host, row.status, row.decision) == ("a", 500, "retried"), row
     assert row.err is not None and row.err.startswith("retry on b failed"), row.err
+    if retry_host == "never answers":  # a's answer reached the client once b's first second had passed
+        assert row.ttfb_ms is not None and row.ttfb_ms >= 900, row.ttfb_ms
     assert leases == ["a"] and events == [(None, "a", "new")]
     assert summed(samples, "crossbar_requests_total", host="a", status="500") == 1
     assert summed(samples, "crossbar_requests_total", host="b") == 0

@@ -230,7 +230,7 @@ def client_library_metrics() -> tuple[CollectorRegistry, dict[str, Any]]:
                            "completion)", ["route", "host", "type"], registry=r),
         "queue_wait": Histogram("crossbar_queue_wait_seconds", "Time spent waiting for a slot",
                                 ["host", "model"], buckets=latency, registry=r),
-        "ttfb": Histogram("crossbar_ttfb_seconds", "Time from request to the upstream's first byte", ["host"],
+        "ttfb": Histogram("crossbar_ttfb_seconds", "Time from request to the client's first byte", ["host"],
                           buckets=latency, registry=r),
         "lease_moves": Counter_("crossbar_lease_moves", "Lease changes by reason (lease_events rows, drains "
                                 "excepted)", ["reason"], registry=r),

@@ -216,6 +216,8 @@ class Failover:
                 router.follow(ex, placed)
             else:
                 ex.host = first
+                if not self.rt.gone_event(flow).is_set():
+                    ex.ttfb_ms = ex.elapsed_ms()  # the first answer goes to the client only now
 
     async def _resend(self, flow: http.HTTPFlow, ex: Exchange, router: Router) -> bool:
         """Send the request to the host it moved to; True when that host's answer replaces the
@@ -244,6 +246,7 @@ class Failover:
         except AnswerTooLarge as exc:
             rt.answer(flow, CrossbarError(502, "bad_gateway", f"{exc} (2 x max_body + 1 MiB)",
                                           reason=Rejection.UPSTREAM_TOO_LARGE), ex)
+            ex.ttfb_ms = ex.elapsed_ms()
             return True
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             router.passive_mark(ex.host, f"retry failed: {exc}")
