@@ -417,7 +417,9 @@ class Router:
                 # home again (it yields at most once), where its lease still is
                 log.info("%s/%s could not yield to %s (its queue filled); it waits on %s again",
                          ex.key.route, ex.model, placed.host if placed else "", ex.host)
-                placed, yielding, ex.err = None, False, None
+                placed, yielding = None, False
+                if ex.err == "queue full":  # what the refusal wrote: it waits instead
+                    ex.err = None
                 continue
             else:
                 if self.usable(ex):
