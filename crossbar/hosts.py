@@ -57,6 +57,9 @@ class PollResult:
     models: dict[str, ModelCtx] = field(default_factory=dict)
     free_slots: dict[str, int] = field(default_factory=dict)  # model ("" = the single server) → free
     ignored_models: int = 0  # reported model names not believed (too many, too long, unprintable)
+    # a router's loaded models whose own questions went unanswered this round: what was learned
+    # about them stands
+    unanswered: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -292,7 +295,8 @@ class Fleet:
             st.last_ok = self.clock()
             st.router, st.loaded = res.router, res.loaded
             st.n_ctx, st.slots = res.n_ctx, res.slots
-            st.models, st.free_slots = res.models, res.free_slots
+            kept = {m: st.models[m] for m in res.unanswered if m in st.models and m not in res.models}
+            st.models, st.free_slots = {**res.models, **kept}, res.free_slots
             st.ours_seen = dict(ours_seen or {})
             if res.ignored_models and not st.ignored_models:
                 log.warning("host %s reports %d model names crossbar ignores (more than %d, or not 1 to %d "
@@ -358,9 +362,12 @@ async def poll_host(session: aiohttp.ClientSession, conf: HostConf, timeout: flo
         async with asyncio.timeout(timeout):
             res = await _poll(session, conf.base_url)
         if res.router:
-            with contextlib.suppress(TimeoutError):
+            asked: set[str] = set()
+            # a slow, refused or oversized answer about one model leaves it unknown, not the router down
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError, PollAnswerTooLarge):
                 async with asyncio.timeout(timeout):
-                    await _poll_router_models(session, conf.base_url, res)
+                    await _poll_router_models(session, conf.base_url, res, asked)
+            res.unanswered = res.loaded - asked
         return res
     except (aiohttp.ClientError, TimeoutError, OSError, PollAnswerTooLarge) as exc:
         return PollResult(ok=False, error=_describe(exc))
@@ -392,7 +399,10 @@ async def _poll(session: aiohttp.ClientSession, base: str) -> PollResult:
     return res
 
 
-async def _poll_router_models(session: aiohttp.ClientSession, base: str, res: PollResult) -> None:
+async def _poll_router_models(session: aiohttp.ClientSession, base: str, res: PollResult,
+                              asked: set[str]) -> None:
+    """Each loaded model's context and free slots; `asked` gets each model once both questions
+    about it are answered."""
     for model in sorted(res.loaded):
         q = quote(model, safe="")
         status, body = await _get_json(session, f"{base}/props?model={q}&autoload=false")
@@ -403,6 +413,7 @@ async def _poll_router_models(session: aiohttp.ClientSession, base: str, res: Po
         free = parse_free_slots(body) if status == 200 else None
         if free is not None:
             res.free_slots[model] = free
+        asked.add(model)
 
 
 def _describe(exc: BaseException) -> str:
@@ -456,7 +467,7 @@ class Poller:
         self.interval = interval
         if timeout == self.timeout:
             return
-        old, self._session, grace = self._session, None, self.timeout + 1
+        old, self._session, grace = self._session, None, 2 * self.timeout + 1  # a router's poll: 2 x
         self.timeout = timeout
         if old is not None:
             self._stale.add(old)

@@ -365,12 +365,15 @@ async def _chat(url: str, model: str) -> None:
 @asynccontextmanager
 async def answering(answers: dict[str, bytes], delay: float = 0.0,
                     late: Callable[[web.BaseRequest], bool] = lambda request: request.path != "/health",
-                    ) -> AsyncIterator[str]:
+                    delays: dict[str, float] | None = None) -> AsyncIterator[str]:
     """A stand-in host answering GET path → body (`/slots?...` by its path alone), `delay`
-    seconds late where `late(request)`."""
+    seconds late where `late(request)`; a question without a query to a path in `delays`, that
+    late instead."""
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
-        if late(request):
+        if not request.query and request.path in (delays or {}):
+            await asyncio.sleep((delays or {})[request.path])
+        elif late(request):
             await asyncio.sleep(delay)
         return web.Response(body=answers.get(request.path, b"{}"), content_type="application/json")
 
@@ -473,3 +476,37 @@ async def test_a_poll_of_an_address_a_reload_replaced_meanwhile_is_not_applied()
             await poller.stop()
     state = fleet.state["a"]
     assert not state.polled and not fleet.knows("a", "old-model")  # nothing learned from the old server
+
+
+def test_a_router_model_unanswered_this_round_keeps_what_was_learned() -> None:
+    fleet = Fleet({"r": host_conf("r", models={"m0": ModelConf(), "m1": ModelConf()})})
+    both, m0 = frozenset({"m0", "m1"}), {"m0": ModelCtx(4096, 2)}
+    fleet.apply("r", PollResult(ok=True, router=True, loaded=both, free_slots={"m0": 4, "m1": 4},
+                                models={"m0": ModelCtx(8192, 4), "m1": ModelCtx(8192, 4)}))
+    fleet.apply("r", PollResult(ok=True, router=True, loaded=both, models=m0, free_slots={"m0": 2},
+                                unanswered=frozenset({"m1"})))
+    assert (fleet.capacity("r", "m0"), fleet.slot_ctx("r", "m0")) == (2, 4096)  # answered: its new figures
+    assert (fleet.capacity("r", "m1"), fleet.slot_ctx("r", "m1")) == (4, 8192)  # unanswered: its last ones
+    fleet.apply("r", PollResult(ok=True, router=True, loaded=frozenset({"m0"}), models=m0))
+    assert fleet.slot_ctx("r", "m1") == 0  # unloaded since: nothing kept
+
+
+async def test_a_new_poll_timeout_does_not_cut_a_router_poll_that_runs_meanwhile() -> None:
+    names = [f"m{i}" for i in range(10)]
+    router = {**HEALTHY, "/props": b'{"role": "router"}',
+              "/v1/models": json.dumps({"data": [{"id": n, "status": {"value": "loaded"}} for n in names]}
+                                       ).encode()}
+    slow = {"/props": 1.5}  # the router's own /props, then 0.4 s for each question about a model
+
+    async with answering(router, delay=0.4, late=lambda request: request.path != "/health",
+                         delays=slow) as url:
+        fleet = Fleet({"r": host_conf("r", url)})
+        poller = Poller(fleet, interval=60, timeout=2)
+        try:
+            polling = asyncio.ensure_future(poller.poll_one("r"))
+            await asyncio.sleep(0.1)
+            poller.reconfigure(60, 1)  # a reload shortens poll_timeout while the router is polled
+            await polling
+        finally:
+            await poller.stop()
+    assert fleet.healthy("r") and fleet.state["r"].models, fleet.state["r"].last_err

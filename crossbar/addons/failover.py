@@ -202,8 +202,9 @@ class Failover:
             reason = Reason.UNHEALTHY if marked else Reason.RETRIED
             placed = await router.move(ex, f"answered {status}", rt.gone_event(flow), reason=reason,
                                        settle=False)
-        except CrossbarError as exc:
+        except CrossbarError as exc:  # (a wait for a slot or a wake may have come first)
             ex.err = f"upstream answered {status}; not retried: {exc.message}"
+            ex.ttfb_ms = ex.elapsed_ms()  # the first answer goes to the client only now
             return
         except ClientGone:
             ex.err = f"upstream answered {status}; the client left before a retry"
