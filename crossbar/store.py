@@ -351,10 +351,6 @@ _KIND = attrgetter("kind")  # of an operation
 _LEASE_KEY = itemgetter("route", "fp", "model")  # of a lease operation's data
 
 
-def _one_key(data: Any) -> str:
-    """The key of an operation of which at most one waits (coalesced)."""
-    return ""
-
 
 def _figure(value: Any, low: int, high: int) -> int | None:
     """A whole figure within [low, high], else None (unknown): an upstream's absurd usage
@@ -474,7 +470,7 @@ class Store:
         self._bad_lock = threading.Lock()
         self._queue = WriteBehind(
             self, name=self.label, droppable=_DROPPABLE, lazy=_LAZY, max_pending=max_pending, log=log,
-            coalesce={**dict.fromkeys(_LEASE_OPS, _LEASE_KEY), "resync": _one_key},
+            coalesce=dict.fromkeys(_LEASE_OPS, _LEASE_KEY),
         )
         self._writer: Engine | None = None
         self._reader: Engine | None = None
@@ -647,9 +643,10 @@ class Store:
             self._queue.count_dropped()
             return
         if self._queue.pending >= self._queue.max_pending:  # the database is long away: one notice
-            # for all, asking every instance to read the shared state back, stands for the others
+            # for all, behind every write so far, asking every instance to read the shared state
+            # back, stands for this one and those before it
             resync = replace(Change("resync"), instance=change.instance)
-            self._queue.put("resync", {"c": CHANNEL, "p": resync.payload()})
+            self._queue.put_last("notify", {"c": CHANNEL, "p": resync.payload()})
             return
         self._queue.put("notify", {"c": CHANNEL, "p": payload})
 
@@ -711,7 +708,7 @@ class Store:
             if kind in _LEASE_OPS:
                 leases[_LEASE_KEY(op.data)] = op  # the last operation on a key wins
             else:
-                rows["notify" if kind == "resync" else kind].append(op.data)
+                rows[kind].append(op.data)
         self._apply_leases(conn, list(leases.values()))
         self._apply_drains(conn, list({d["host"]: d for d in rows["drain"]}.values()))  # likewise per host
         for kind, table in (("event", EVENTS), ("health", HEALTH)):

@@ -16,7 +16,9 @@ Only when more than `max_pending` operations wait are the oldest operations of a
 shed (counted in `dropped`); other kinds never are. An operation of a kind listed in `coalesce`
 replaces the one of the same key (`coalesce[kind](data)`) that still waits, where the sink would
 apply only the later one anyway: the operations kept of those kinds are at most two per key (one
-waiting, one being written), however long the database is away.
+waiting, one being written), however long the database is away. `put_last` enqueues an
+operation written after everything enqueued before it, the latest such call standing for the
+earlier ones (one waits at most).
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class WriteBehind:
         self._ordered: deque[Op] = deque()  # never dropped
         self._rows: deque[Op] = deque()  # droppable: oldest shed beyond max_pending
         self._waiting: dict[Hashable, Op] = {}  # the waiting operation of each coalesced key
+        self._last: Op | None = None  # `put_last`'s operation, behind every one before it
         self._seq = 0
         self._due = math.inf  # time.monotonic() by which what waits must be written
         self._inflight = 0
@@ -164,7 +167,7 @@ class WriteBehind:
 
     @property
     def pending(self) -> int:
-        return len(self._ordered) + len(self._rows) + self._inflight
+        return len(self._ordered) + len(self._rows) + self._inflight + (self._last is not None)
 
     def count_dropped(self, n: int = 1) -> None:
         with self._lock:
@@ -197,6 +200,20 @@ class WriteBehind:
             if self._sooner(kind) or queued + 1 >= self.batch:  # the writer only needs waking for these
                 self._has_work.notify()
 
+    def put_last(self, kind: str, data: Any) -> None:
+        """Enqueue an operation that is written after every one enqueued before it (in that
+        batch or a later one); a later call replaces it and moves it back behind those since."""
+        with self._lock:
+            if self._closed:
+                self.dropped += 1
+                return
+            self._seq += 1
+            if not (self._ordered or self._rows or self._last):
+                self._due = math.inf
+            self._last = Op(self._seq, kind, data)
+            if self._sooner(kind):
+                self._has_work.notify()
+
     def _sooner(self, kind: str) -> bool:
         """Under the lock: an operation of `kind` was just enqueued; True when it makes the batch
         due sooner. (A lazy one never does while something waits: that was enqueued earlier.)"""
@@ -226,6 +243,8 @@ class WriteBehind:
     def _done_upto(self) -> int:
         """Under the lock: every operation with seq <= this is committed (or dropped)."""
         heads = [q[0].seq for q in (self._ordered, self._rows) if q]
+        if self._last is not None:
+            heads.append(self._last.seq)
         if self._inflight_first is not None:
             heads.append(self._inflight_first)
         return min(heads) - 1 if heads else self._seq
@@ -246,12 +265,13 @@ class WriteBehind:
     def _take(self) -> list[Op] | None:
         """Block for work; pop up to `batch` operations in enqueue order (None when stopping)."""
         with self._lock:
-            self._has_work.wait_for(lambda: self._stop or self._ordered or self._rows)
+            self._has_work.wait_for(lambda: self._stop or self._ordered or self._rows or self._last)
             self._linger()
             if self._stop:
                 return None
             batch = self._pop_batch()
-            if not (self._ordered or self._rows):  # else the rest stays due when the batch was
+            self._take_last(batch)
+            if not (self._ordered or self._rows or self._last):  # else the rest stays due when the batch was
                 self._due = math.inf
             self._forget_keys(batch)
             self._inflight = len(batch)
@@ -277,6 +297,19 @@ class WriteBehind:
         self._rows.clear()
         batch.sort(key=_SEQ)  # two runs in order: the sort merges them
         return batch
+
+    def _take_last(self, batch: list[Op]) -> None:
+        """Under the lock: `put_last`'s operation joins the batch once nothing enqueued before it
+        still waits."""
+        last = self._last
+        if last is None:
+            return
+        heads = [q[0].seq for q in (self._ordered, self._rows) if q]
+        if heads and min(heads) < last.seq:
+            return
+        self._last = None
+        batch.append(last)
+        batch.sort(key=_SEQ)
 
     def _forget_keys(self, batch: list[Op]) -> None:
         """Under the lock: the batch's operations no longer wait; later ones of their keys queue anew."""

@@ -91,14 +91,14 @@ async def test_an_answer_streamed_once_it_outgrew_the_buffer_is_not_cut_by_the_d
                      b"Transfer-Encoding: chunked\r\n\r\n")
         writer.write(chunk(b'{"pad":"' + b"x" * (4 << 20)))  # past the bound of the rig's 1 MiB max_body
         await writer.drain()
-        for _ in range(8):  # the rest keeps coming, past first_byte_timeout
+        for _ in range(12):  # the rest keeps coming, past first_byte_timeout
             await asyncio.sleep(0.3)
             writer.write(chunk(b"y" * 1000))
             await writer.drain()
         writer.write(chunk(b'"}') + b"0\r\n\r\n")
         await writer.drain()
 
-    async with raw_upstream(complete) as url, rig(tmp_path, base_url=url, first_byte_timeout="1s") as r:
+    async with raw_upstream(complete) as url, rig(tmp_path, base_url=url, first_byte_timeout="2s") as r:
         reader, writer = await connect(r.port)
         writer.write(head(Content_Length=str(len(CHAT)), Connection="close") + CHAT)
         raw = await asyncio.wait_for(reader.read(), 20)

@@ -773,15 +773,21 @@ def test_past_max_pending_change_notices_give_way_to_one_resync(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Instances sharing a database tell each other their changes; a notice is never shed (another
     instance would miss that change until it restarts), and past max_pending waiting operations
-    one notice asking every instance to read the shared state back stands for the rest."""
+    one notice asking every instance to read the shared state back stands for the rest, written
+    after every operation enqueued before the last notice it stands for."""
+    from types import SimpleNamespace
+
     from crossbar.shared import Change
 
     monkeypatch.setattr(Store, "postgres", property(lambda self: True))
     store = Store(str(tmp_path / "crossbar.db"), max_pending=100)  # never started: everything waits
+    store.shared = SimpleNamespace(instance="me", close=lambda: None)  # type: ignore[assignment]
     for i in range(1_000):
+        store.save_lease("r", f"{i:064x}", "m", "a", "active", 1.0, 1.0)
         store.publish(Change("lease", route="r", fp=f"{i:064x}", model="m", host="a"))
-    waiting = [(op.kind, op.data["p"]) for op in store._queue._ordered]
-    assert store.pending == 101 and store.dropped == 0
-    assert [kind for kind, _ in waiting] == ["notify"] * 100 + ["resync"]
-    assert Change.parse(waiting[-1][1]) == Change("resync")
+    queue = store._queue
+    assert [op.kind for op in queue._ordered][:100] == ["lease", "notify"] * 50
+    assert queue._last is not None and queue._last.seq == queue._seq  # behind every lease write
+    assert Change.parse(queue._last.data["p"]) == Change("resync", instance="me")
+    assert store.pending == 1_000 + 50 + 1 and store.dropped == 0
     store.close(timeout=0)

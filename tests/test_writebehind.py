@@ -210,3 +210,25 @@ def test_a_later_write_of_a_key_takes_the_waiting_ones_place_and_kind() -> None:
     assert queue.flush(timeout=5)
     assert sink.rows == [{"k": "a", "n": 3}, {"n": 2}, {"n": 4}, {"n": 4}]
     queue.stop()
+
+
+def test_put_last_is_written_after_everything_before_it_and_stands_for_earlier_calls() -> None:
+    sink = MemorySink(RuntimeError("unused"))
+    queue = WriteBehind(sink, name="memory", droppable=(), max_pending=100, log=log, linger=0, batch=3,
+                        coalesce={"lease": lambda d: d["k"]})
+    queue.put("lease", {"k": "a", "n": 1})
+    queue.put_last("last", {"n": "first call"})
+    queue.put("row", {"n": 2})
+    queue.put("lease", {"k": "a", "n": 3})  # coalesced into the waiting write of a
+    for n in (4, 5, 6):
+        queue.put("row", {"n": n})
+    queue.put_last("last", {"n": "second call"})  # replaces the first, behind everything so far
+    queue.put("row", {"n": 7})
+    assert queue.pending == 7
+    queue.start("test-writer")
+    assert queue.flush(timeout=5)
+    # batches of three: the first leaves out the last call (rows before it still wait)
+    assert sink.rows == [{"k": "a", "n": 3}, {"n": 2}, {"n": 4}, {"n": 5}, {"n": 6}, {"n": "second call"},
+                         {"n": 7}]
+    assert sink.batches == [3, 4]
+    queue.stop()
