@@ -295,8 +295,9 @@ class Fleet:
             st.last_ok = self.clock()
             st.router, st.loaded = res.router, res.loaded
             st.n_ctx, st.slots = res.n_ctx, res.slots
-            kept = {m: st.models[m] for m in res.unanswered if m in st.models and m not in res.models}
-            st.models, st.free_slots = {**res.models, **kept}, res.free_slots
+            # a router's model left unanswered keeps what the last poll learned, if that poll was good
+            kept = {m: st.models[m] for m in res.unanswered if m in st.models} if st.good_polls else {}
+            st.models, st.free_slots = {**kept, **res.models}, res.free_slots
             st.ours_seen = dict(ours_seen or {})
             if res.ignored_models and not st.ignored_models:
                 log.warning("host %s reports %d model names crossbar ignores (more than %d, or not 1 to %d "
@@ -354,8 +355,9 @@ async def _parse_json(raw: bytes) -> Any:
 async def poll_host(session: aiohttp.ClientSession, conf: HostConf, timeout: float) -> PollResult:
     """One health round for one host: `/health`, `/v1/models`, `/props` (and `/slots`) within
     `timeout`, else the poll fails; on a router, the questions about each loaded model within as
-    long again, those left unanswered by then unknown this round (a busy router answers them
-    slowly; that is no reason to mark it down). Never asks about a model a router has not loaded.
+    long again, a model whose `/props` is not answered by then (or fails) keeping what the last
+    good poll learned about it (`PollResult.unanswered`): a busy router answers slowly, which is
+    no reason to mark it down. Never asks about a model a router has not loaded.
     Whatever the host answers, the result is a `PollResult`: an answer crossbar cannot make sense
     of is a failed poll, never an exception."""
     try:
@@ -363,8 +365,7 @@ async def poll_host(session: aiohttp.ClientSession, conf: HostConf, timeout: flo
             res = await _poll(session, conf.base_url)
         if res.router:
             asked: set[str] = set()
-            # a slow, refused or oversized answer about one model leaves it unknown, not the router down
-            with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError, PollAnswerTooLarge):
+            with contextlib.suppress(TimeoutError):  # a busy router is slow to answer: no failure
                 async with asyncio.timeout(timeout):
                     await _poll_router_models(session, conf.base_url, res, asked)
             res.unanswered = res.loaded - asked
@@ -401,19 +402,23 @@ async def _poll(session: aiohttp.ClientSession, base: str) -> PollResult:
 
 async def _poll_router_models(session: aiohttp.ClientSession, base: str, res: PollResult,
                               asked: set[str]) -> None:
-    """Each loaded model's context and free slots; `asked` gets each model once both questions
-    about it are answered."""
+    """Each loaded model's context and free slots; `asked` gets each model whose `/props`
+    answered. A question that fails (refused, reset, an answer over the bound, an error status)
+    leaves that model out and goes on with the next."""
     for model in sorted(res.loaded):
         q = quote(model, safe="")
-        status, body = await _get_json(session, f"{base}/props?model={q}&autoload=false")
-        if status == 200:
-            _, ctx = parse_props(body)
-            res.models[model] = ctx
-        status, body = await _get_json(session, f"{base}/slots?model={q}&autoload=false")
+        try:
+            status, body = await _get_json(session, f"{base}/props?model={q}&autoload=false")
+            if status != 200:
+                continue
+            res.models[model] = parse_props(body)[1]
+            asked.add(model)
+            status, body = await _get_json(session, f"{base}/slots?model={q}&autoload=false")
+        except (aiohttp.ClientError, OSError, PollAnswerTooLarge):
+            continue
         free = parse_free_slots(body) if status == 200 else None
         if free is not None:
             res.free_slots[model] = free
-        asked.add(model)
 
 
 def _describe(exc: BaseException) -> str:

@@ -17,8 +17,9 @@ shed (counted in `dropped`); other kinds never are. An operation of a kind liste
 replaces the one of the same key (`coalesce[kind](data)`) that still waits, where the sink would
 apply only the later one anyway: the operations kept of those kinds are at most two per key (one
 waiting, one being written), however long the database is away. `put_last` enqueues an
-operation written after everything enqueued before it, the latest such call standing for the
-earlier ones (one waits at most).
+operation written after everything enqueued before it; of the calls that come while one waits,
+only the latest is kept (two wait at most: the first keeps its place, so it is written however
+busy the queue stays).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ class WriteBehind:
         self._ordered: deque[Op] = deque()  # never dropped
         self._rows: deque[Op] = deque()  # droppable: oldest shed beyond max_pending
         self._waiting: dict[Hashable, Op] = {}  # the waiting operation of each coalesced key
-        self._last: Op | None = None  # `put_last`'s operation, behind every one before it
+        # `put_last`'s operations, each written behind every one enqueued before it: the first
+        # waiting one keeps its place; later calls replace the one behind it
+        self._lasts: list[Op] = []
         self._seq = 0
         self._due = math.inf  # time.monotonic() by which what waits must be written
         self._inflight = 0
@@ -167,7 +170,7 @@ class WriteBehind:
 
     @property
     def pending(self) -> int:
-        return len(self._ordered) + len(self._rows) + self._inflight + (self._last is not None)
+        return len(self._ordered) + len(self._rows) + self._inflight + len(self._lasts)
 
     def count_dropped(self, n: int = 1) -> None:
         with self._lock:
@@ -188,7 +191,7 @@ class WriteBehind:
                 if self._sooner(kind):
                     self._has_work.notify()
                 return
-            queued = len(self._ordered) + len(self._rows)
+            queued = len(self._ordered) + len(self._rows) + len(self._lasts)
             if queued == 0:  # nothing waits (a shed backlog may have left a due time behind)
                 self._due = math.inf
             op = Op(self._seq, kind, data, key)
@@ -202,15 +205,17 @@ class WriteBehind:
 
     def put_last(self, kind: str, data: Any) -> None:
         """Enqueue an operation that is written after every one enqueued before it (in that
-        batch or a later one); a later call replaces it and moves it back behind those since."""
+        batch or a later one). While one waits, a later call's operation waits behind it, and
+        replaces any that already waited there: the first keeps its place, so it gets written
+        however busy the queue stays."""
         with self._lock:
             if self._closed:
                 self.dropped += 1
                 return
             self._seq += 1
-            if not (self._ordered or self._rows or self._last):
+            if not (self._ordered or self._rows or self._lasts):
                 self._due = math.inf
-            self._last = Op(self._seq, kind, data)
+            self._lasts[1:] = [Op(self._seq, kind, data)]
             if self._sooner(kind):
                 self._has_work.notify()
 
@@ -243,8 +248,8 @@ class WriteBehind:
     def _done_upto(self) -> int:
         """Under the lock: every operation with seq <= this is committed (or dropped)."""
         heads = [q[0].seq for q in (self._ordered, self._rows) if q]
-        if self._last is not None:
-            heads.append(self._last.seq)
+        if self._lasts:
+            heads.append(self._lasts[0].seq)
         if self._inflight_first is not None:
             heads.append(self._inflight_first)
         return min(heads) - 1 if heads else self._seq
@@ -265,13 +270,13 @@ class WriteBehind:
     def _take(self) -> list[Op] | None:
         """Block for work; pop up to `batch` operations in enqueue order (None when stopping)."""
         with self._lock:
-            self._has_work.wait_for(lambda: self._stop or self._ordered or self._rows or self._last)
+            self._has_work.wait_for(lambda: self._stop or self._ordered or self._rows or self._lasts)
             self._linger()
             if self._stop:
                 return None
             batch = self._pop_batch()
             self._take_last(batch)
-            if not (self._ordered or self._rows or self._last):  # else the rest stays due when the batch was
+            if not (self._ordered or self._rows or self._lasts):  # else the rest stays due when it was
                 self._due = math.inf
             self._forget_keys(batch)
             self._inflight = len(batch)
@@ -301,14 +306,12 @@ class WriteBehind:
     def _take_last(self, batch: list[Op]) -> None:
         """Under the lock: `put_last`'s operation joins the batch once nothing enqueued before it
         still waits."""
-        last = self._last
-        if last is None:
-            return
         heads = [q[0].seq for q in (self._ordered, self._rows) if q]
-        if heads and min(heads) < last.seq:
+        joined = [op for op in self._lasts if not heads or op.seq < min(heads)]
+        if not joined:
             return
-        self._last = None
-        batch.append(last)
+        del self._lasts[:len(joined)]
+        batch.extend(joined)
         batch.sort(key=_SEQ)
 
     def _forget_keys(self, batch: list[Op]) -> None:

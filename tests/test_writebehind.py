@@ -222,13 +222,31 @@ def test_put_last_is_written_after_everything_before_it_and_stands_for_earlier_c
     queue.put("lease", {"k": "a", "n": 3})  # coalesced into the waiting write of a
     for n in (4, 5, 6):
         queue.put("row", {"n": n})
-    queue.put_last("last", {"n": "second call"})  # replaces the first, behind everything so far
+    queue.put_last("last", {"n": "second call"})  # behind the first, and behind everything so far
+    queue.put_last("last", {"n": "third call"})  # replaces the second: the first keeps its place
     queue.put("row", {"n": 7})
-    assert queue.pending == 7
+    assert queue.pending == 8
     queue.start("test-writer")
     assert queue.flush(timeout=5)
-    # batches of three: the first leaves out the last call (rows before it still wait)
-    assert sink.rows == [{"k": "a", "n": 3}, {"n": 2}, {"n": 4}, {"n": 5}, {"n": 6}, {"n": "second call"},
-                         {"n": 7}]
-    assert sink.batches == [3, 4]
+    # batches of three: the first call joins the first (only the write of a came before it), the
+    # third the last one, once the rows before it are in
+    assert sink.rows == [{"k": "a", "n": 3}, {"n": "first call"}, {"n": 2}, {"n": 4}, {"n": 5}, {"n": 6},
+                         {"n": "third call"}, {"n": 7}]
+    assert sink.batches == [4, 4]
+    queue.stop()
+
+
+def test_a_put_last_gets_written_however_busy_the_queue_stays() -> None:
+    sink = MemorySink(RuntimeError("unused"))
+    queue = WriteBehind(sink, name="memory", droppable=(), max_pending=10_000, log=log, linger=0, batch=4)
+    queue.put("row", {"n": 0})
+    queue.put_last("last", {"n": "notice"})
+    for n in range(1, 200):  # more keeps coming, each followed by another call
+        queue.put("row", {"n": n})
+        queue.put_last("last", {"n": f"notice after {n}"})
+    queue.start("test-writer")
+    assert queue.flush(timeout=5)
+    notices = [r["n"] for r in sink.rows if str(r["n"]).startswith("notice")]
+    assert notices == ["notice", "notice after 199"]
+    assert sink.rows.index({"n": "notice"}) == 1  # right behind the one row before it
     queue.stop()
