@@ -17,9 +17,9 @@ shed (counted in `dropped`); other kinds never are. An operation of a kind liste
 replaces the one of the same key (`coalesce[kind](data)`) that still waits, where the sink would
 apply only the later one anyway: the operations kept of those kinds are at most two per key (one
 waiting, one being written), however long the database is away. `put_last` enqueues an
-operation written after everything enqueued before it; of the calls that come while one waits,
-only the latest is kept (two wait at most: the first keeps its place, so it is written however
-busy the queue stays).
+operation written after everything enqueued before it; while one waits, of the later calls only
+the latest waits behind it (the first keeps its place, so it is written however busy the queue
+stays).
 """
 
 from __future__ import annotations
