@@ -645,7 +645,7 @@ class Store:
         if self._queue.pending >= self._queue.max_pending:  # the database is long away: one notice
             # for all, behind every write so far, asking every instance to read the shared state
             # back, stands for this one and those before it
-            resync = replace(Change("resync"), instance=change.instance)
+            resync = Change("resync", instance=change.instance)
             self._queue.put_last("notify", {"c": CHANNEL, "p": resync.payload()})
             return
         self._queue.put("notify", {"c": CHANNEL, "p": payload})

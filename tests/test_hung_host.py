@@ -14,6 +14,16 @@ from harness import split_response
 from test_hostile_limits import CHAT, connect, head, raw_upstream, rig
 
 
+async def one_completion(port: int, timeout: float) -> bytes:
+    """One completion on a connection of its own, answered and closed; its row a second to land."""
+    reader, writer = await connect(port)
+    writer.write(head(Content_Length=str(len(CHAT)), Connection="close") + CHAT)
+    raw = await asyncio.wait_for(reader.read(), timeout)
+    writer.close()
+    await asyncio.sleep(1)
+    return raw
+
+
 def silent_upstream() -> AbstractAsyncContextManager[str]:
     """Answers the poller like llama-server; takes a completion and never answers it."""
     async def complete(writer: asyncio.StreamWriter) -> None:
@@ -24,11 +34,7 @@ def silent_upstream() -> AbstractAsyncContextManager[str]:
 
 async def test_a_silent_host_gives_a_json_502_that_its_row_records(tmp_path: Path) -> None:
     async with silent_upstream() as url, rig(tmp_path, base_url=url, first_byte_timeout="1s") as r:
-        reader, writer = await connect(r.port)
-        writer.write(head(Content_Length=str(len(CHAT)), Connection="close") + CHAT)
-        status, headers, body = split_response(await asyncio.wait_for(reader.read(), 15))
-        writer.close()
-        await asyncio.sleep(1)
+        status, headers, body = split_response(await one_completion(r.port, 15))
     rows = sqlite3.connect(tmp_path / "c.db").execute("SELECT status, err FROM requests").fetchall()
     assert status == 502
     assert len(rows) == 1
@@ -65,11 +71,7 @@ async def test_an_answer_that_never_becomes_whole_gives_a_json_502(tmp_path: Pat
     crossbar's JSON 502, as is one whose host stalls past first_byte_timeout (marked down)."""
     async with cut_upstream(status, then, content_type) as url, \
             rig(tmp_path, base_url=url, first_byte_timeout="1s") as r:
-        reader, writer = await connect(r.port)
-        writer.write(head(Content_Length=str(len(CHAT)), Connection="close") + CHAT)
-        got, headers, body = split_response(await asyncio.wait_for(reader.read(), 15))
-        writer.close()
-        await asyncio.sleep(1)
+        got, headers, body = split_response(await one_completion(r.port, 15))
     rows = sqlite3.connect(tmp_path / "c.db").execute("SELECT status, ttfb_ms, err FROM requests").fetchall()
     assert (got, headers.get("content-type")) == (502, "application/json"), body[:300]
     assert json.loads(body)["error"]["code"] == 502
@@ -99,11 +101,7 @@ async def test_an_answer_streamed_once_it_outgrew_the_buffer_is_not_cut_by_the_d
         await writer.drain()
 
     async with raw_upstream(complete) as url, rig(tmp_path, base_url=url, first_byte_timeout="2s") as r:
-        reader, writer = await connect(r.port)
-        writer.write(head(Content_Length=str(len(CHAT)), Connection="close") + CHAT)
-        raw = await asyncio.wait_for(reader.read(), 20)
-        writer.close()
-        await asyncio.sleep(1)
+        raw = await one_completion(r.port, 20)
     rows = sqlite3.connect(tmp_path / "c.db").execute("SELECT status, err FROM requests").fetchall()
     health = sqlite3.connect(tmp_path / "c.db").execute("SELECT healthy FROM host_health").fetchall()
     assert raw.endswith(b'"}\r\n0\r\n\r\n'), raw[-100:]  # the whole answer

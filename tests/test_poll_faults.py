@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 from harness import HostSpec, crossbar_proxy, sim_fleet, start_mitmdump, write_config
+from test_hosts import answering
+from test_reload import free_port
 
 from llamasim import SimConfig
 
@@ -23,28 +22,10 @@ ADMIN_JSON = {"Content-Type": "application/json"}
 SIM = HostSpec({"m": {}}, sim=SimConfig(models=["m"]))
 
 
-@asynccontextmanager
-async def lying_host(models_answer: bytes) -> AsyncIterator[str]:
+def lying_host(models_answer: bytes) -> AbstractAsyncContextManager[str]:
     """A stand-in llama-server, sane but for its `/v1/models` answer."""
-    answers = {"/health": b'{"status":"ok"}', "/v1/models": models_answer, "/slots": b"[]",
-               "/props": b'{"total_slots":4,"default_generation_settings":{"n_ctx":4096}}'}
-
-    async def handle(request: web.BaseRequest) -> web.StreamResponse:
-        return web.Response(body=answers.get(request.path, b"{}"), content_type="application/json")
-
-    runner = web.ServerRunner(web.Server(handle), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return answering({"/health": b'{"status":"ok"}', "/v1/models": models_answer, "/slots": b"[]",
+                      "/props": b'{"total_slots":4,"default_generation_settings":{"n_ctx":4096}}'})
 
 
 def still_running_after(config: Path, seconds: float) -> str:
