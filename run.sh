@@ -116,6 +116,9 @@ case "${1:-}" in
     sed -n '2,8p' "$0"
     ;;
   *)
+    # SIGHUP reloads once crossbar has loaded; until then it is ignored rather than fatal (systemd
+    # takes a death by SIGHUP for a clean stop and would not restart the service)
+    trap '' HUP
     ensure_venv requirements.txt
     run_crossbar "${1:-$(default_config)}" "${@:2}"
     ;;

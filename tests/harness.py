@@ -227,8 +227,17 @@ def start_mitmdump(config: Path, extra: Sequence[str] = (), timeout: float = 30,
            "--set", "flow_detail=0", *extra]
     if not plain and "server=false" not in extra:  # plain: the bare documented command
         cmd += ["--set", "server=false"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return serving(launch(cmd), timeout)
+
+
+def launch(cmd: Sequence[str]) -> subprocess.Popen[str]:
+    """`cmd` (mitmdump, or run.sh) with its output piped, as `serving` reads it."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+
+
+def serving(proc: subprocess.Popen[str], timeout: float = 30) -> MitmdumpProcess:
+    """Waits for crossbar's "serving on" line and returns the bound port; kills it otherwise."""
     assert proc.stdout is not None
     output: list[str] = []
     deadline = time.monotonic() + timeout

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sqlite3
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,8 +27,10 @@ from harness import (
     Proxy,
     completion_count,
     crossbar_proxy,
+    launch,
     lease_event_rows,
     request_rows,
+    serving,
     sim_fleet,
     split_response,
     sse_data,
@@ -415,3 +418,56 @@ async def test_sighup_reloads_and_touching_the_entry_file_does_not_load_a_second
     rows = rows_in(setup.path.with_suffix(".db"))
     assert len(rows) == 6 and all(status == 200 for _, _, status, _ in rows)
     assert sorted(r[0] for r in rows) == ["new", "new", "r", "r", "r", "r"]
+
+
+FAKE_TAILSCALE = """#!/bin/sh
+# `tailscale version` at start-up: the SIGHUP of a `systemctl reload` lands while crossbar starts
+if [ "$1" = version ]; then kill -HUP "$PPID"; sleep 0.3; echo 1.0-test; fi
+"""
+
+
+async def test_a_sighup_during_start_up_is_applied_once_crossbar_serves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before crossbar's `running` a SIGHUP took Python's default action and ended the process,
+    which systemd counts as a clean stop (no restart): `systemctl reload` right after `start`
+    left the service dead."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "tailscale").write_text(FAKE_TAILSCALE)
+    (bindir / "tailscale").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    async with sim_fleet({"alpha": spec()}) as fleet:
+        setup = Setup(fleet, tmp_path / "crossbar.toml")
+        setup.write({"alpha": spec()}, identity="tailscale")
+        proc = start_mitmdump(setup.path)
+        try:
+            log = lambda: "".join(proc.output)  # noqa: E731
+            await wait_until(lambda: "configuration reloaded" in log(), 10, what="the reload")
+            assert "a SIGHUP came while crossbar started" in log()
+            assert complete(await turn(proc.port, "after", tokens=2), 2)
+        finally:
+            code = proc.stop()
+        assert code == 0 and "Traceback" not in log(), log()
+
+
+def test_run_sh_survives_a_sighup_before_crossbar_is_loaded(tmp_path: Path) -> None:
+    """The launcher's own start-up and Python's imports come before crossbar is loaded: a SIGHUP
+    there is ignored (the configuration is read after it anyway), later ones reload."""
+    nobody = f"http://127.0.0.1:{free_port()}"  # a host that is down: start-up does not wait for it
+    config = write_config(tmp_path / "crossbar.toml", {"alpha": (nobody, spec())},
+                          {"r": {"hosts": ["alpha"], "default_model": "m"}})
+    proc = launch([str(ROOT / "run.sh"), str(config), "--set", "flow_detail=0"])
+    try:
+        time.sleep(0.3)  # in run.sh, or in Python's imports: long before crossbar is loaded
+        proc.send_signal(signal.SIGHUP)
+        started = serving(proc)
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "configuration reloaded" not in "".join(started.output) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "configuration reloaded" in "".join(started.output)
+        assert started.stop() == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

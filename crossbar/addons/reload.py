@@ -17,6 +17,7 @@ import signal
 import threading
 
 from mitmproxy import ctx
+from mitmproxy.addonmanager import Loader
 
 from crossbar import admin_access, errors
 from crossbar.addons.listeners import listener_roles, mitmproxy_options, serve_on
@@ -34,14 +35,29 @@ class Reload:
         self.rt = rt
         self._lock = asyncio.Lock()  # one reload at a time
         self._tasks: set[asyncio.Task[None]] = set()
+        self._early_sighup = False  # a SIGHUP came before crossbar served
         rt.reloader = self.reload
+
+    def load(self, loader: Loader) -> None:
+        """SIGHUP is caught from here on: until crossbar serves, one is noted and applied once it
+        does. Left to its default action it would end the process, which systemd counts as a
+        clean stop (no restart): `systemctl reload` just after `start` would leave it dead."""
+        if threading.current_thread() is threading.main_thread():  # an in-process test master is not
+            signal.signal(signal.SIGHUP, self._note_early_sighup)
+
+    def _note_early_sighup(self, _signum: int, _frame: object) -> None:
+        self._early_sighup = True  # a signal handler: no logging (its locks may be held)
 
     def running(self) -> None:
         if self.rt.router is None:
             return
         self._stop_script_reload()
-        if threading.current_thread() is threading.main_thread():  # an in-process test master is not
+        if threading.current_thread() is threading.main_thread():
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+            if self._early_sighup:
+                self._early_sighup = False
+                log.info("crossbar: a SIGHUP came while crossbar started")
+                self._on_sighup()
 
     def _on_sighup(self) -> None:
         log.info("crossbar: SIGHUP: reloading %s", ctx.options.crossbar_config)
