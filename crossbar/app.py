@@ -110,9 +110,14 @@ class Router:
 
     def _open_fleetwide(self) -> None:
         """Instances sharing the database share leases, pins, drains and slots."""
-        fw = self.fleetwide = Fleetwide(self.store, self.leases, self.fleet, self.cfg.lease_idle)
+        fw = self.fleetwide = Fleetwide(self.store, self.leases, self.fleet, self._placeable)
         fw.load_drains()
         self.leases.subscribe(fw.lease_event)
+
+    def _placeable(self, route: str, host: str) -> bool:
+        """The configuration lets `route`'s conversations run on `host`."""
+        conf = match_route(route, self.cfg.routes)
+        return conf is not None and host in conf.hosts
 
     def start_background(self) -> None:
         self.poller.start()
@@ -156,6 +161,8 @@ class Router:
         for name in (*change.hosts_removed, *self.fleet.reconfigure(new.hosts)):
             self.estimator.forget(name)
             self.learner.forget(name)
+        if self.fleetwide is not None:
+            self.fleetwide.apply_drains(set(new.hosts) - set(old.hosts))
         self.waker.hosts = new.hosts
         self.limiter.set_queue_max(new.queue_max)
         self.leases.idle = new.lease_idle

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from crossbar.decisions import Reason
@@ -44,22 +44,30 @@ _PUBLISHED = frozenset({Reason.NEW, Reason.UNHEALTHY, Reason.RETRIED, Reason.CON
 
 
 class Fleetwide:
-    def __init__(self, store: Store, leases: LeaseTable, fleet: Fleet, lease_idle: float,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: Store, leases: LeaseTable, fleet: Fleet,
+                 placeable: Callable[[str, str], bool], clock: Callable[[], float] = time.time) -> None:
+        """`placeable(route, host)`: this instance's configuration, as it is now, lets the route's
+        conversations run on the host (another instance's configuration may not agree yet)."""
         assert store.shared is not None
         self.store, self.shared = store, store.shared
         self.leases, self.fleet = leases, fleet
-        self.lease_idle = lease_idle
+        self.placeable = placeable
         self.clock = clock
+        self.drained_hosts: set[str] = set()  # hosts drained fleet-wide, configured here or not
         self.resyncs = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heartbeats: asyncio.Task[None] | None = None
 
     def load_drains(self) -> None:
         """At start-up: hosts drained through any instance are drained here too."""
-        for host in self.store.drained_hosts():
+        self.drained_hosts = set(self.store.drained_hosts())
+        self.apply_drains(self.fleet.conf)
+
+    def apply_drains(self, hosts: Iterable[str]) -> None:
+        """These configured hosts (all at start-up, those a reload added) take the fleet-wide drains."""
+        for host in hosts:
             if host in self.fleet.conf:
-                self.fleet.set_draining(host, True)
+                self.fleet.set_draining(host, host in self.drained_hosts)
 
     def start(self) -> None:
         """Listen to the other instances' changes (on this event loop) and renew held slots."""
@@ -96,7 +104,7 @@ class Fleetwide:
         now = self.clock()
         try:
             winner = await self.shared.claim_lease(key.route, key.fp, key.model, host, now,
-                                                   idle_before=now - self.lease_idle)
+                                                   idle_before=now - self.leases.idle)
         except SharedUnavailable:
             return host
         if winner != host:
@@ -127,14 +135,18 @@ class Fleetwide:
         """On the event loop: apply what another instance did, without writing or publishing it."""
         now = self.clock()
         match change.kind:
-            case "lease" if change.host:
+            case "lease" if change.host and self.placeable(change.route, change.host):
                 self.leases.adopt(Key(change.route, change.fp, change.model), change.host, now, now)
-            case "pin":
+            case "pin" if not change.host or self.placeable(change.route, change.host):
                 self.leases.apply_remote_pin(change.route, change.host, now)
             case "release":
                 self.leases.apply_remote_release(change.route, now)
-            case "drain" | "undrain" if change.host in self.fleet.conf:
-                self.fleet.set_draining(change.host, change.kind == "drain")
+            case "drain" if change.host:
+                self.drained_hosts.add(change.host)
+                self.apply_drains((change.host,))
+            case "undrain" if change.host:
+                self.drained_hosts.discard(change.host)
+                self.apply_drains((change.host,))
             case "resync":
                 self._spawn(self.resync())
 
@@ -154,9 +166,11 @@ class Fleetwide:
                 await asyncio.sleep(attempt * 0.5)
         else:
             return  # the database went away again: the next reconnect resyncs
-        self.leases.resync(rows, self.clock())
-        for host in self.fleet.conf:
-            self.fleet.set_draining(host, host in drained)
+        # a lease or pin on a host this instance's configuration does not give its route stays out
+        # (another instance's configuration may lag or lead this one's)
+        self.leases.resync([row for row in rows if self.placeable(row.route, row.host)], self.clock())
+        self.drained_hosts = set(drained)
+        self.apply_drains(self.fleet.conf)
         log.info("fleetwide: resynced %d leases and %d drained hosts from %s", len(rows), len(drained),
                  self.store.label)
 

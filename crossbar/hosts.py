@@ -180,8 +180,9 @@ class Fleet:
             was = self.conf.get(name) or self.retired.pop(name, None)
             if was is not None and _address(was) != _address(conf):
                 fresh.append(name)
-            if name not in self.state or name in fresh:
-                self.state[name] = HostState(name)
+            if name not in self.state or name in fresh:  # a drain is the operator's: it stays
+                was_state = self.state.get(name)
+                self.state[name] = HostState(name, draining=was_state is not None and was_state.draining)
         self.conf = hosts
         self._settings_changed()
         return fresh

@@ -65,7 +65,8 @@ def parts() -> tuple[RecordingStore, LeaseTable, Fleet, Fleetwide]:
     store = RecordingStore()
     table = LeaseTable(store, idle=60.0)
     fleet = Fleet(hosts())
-    fw = Fleetwide(store, table, fleet, 60.0, clock=lambda: T0)  # type: ignore[arg-type]
+    fw = Fleetwide(store, table, fleet, lambda _route, host: host in fleet.conf,  # type: ignore[arg-type]
+                   clock=lambda: T0)
     table.subscribe(fw.lease_event)
     return store, table, fleet, fw
 

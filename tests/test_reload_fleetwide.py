@@ -1,0 +1,168 @@
+"""Reloading the configuration of one of several instances sharing PostgreSQL: what the other
+instances announce, the shared claim and fleet-wide drains follow this instance's reloaded
+configuration."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from crossbar.app import Router
+from crossbar.config import parse_config
+from crossbar.lease import Key
+from crossbar.placement import Change as Placed
+from crossbar.placement import LeaseChange
+from crossbar.reload import plan_reload
+from crossbar.shared import Change
+
+
+def pg_raw(db: str, hosts: tuple[str, ...] = ("alpha", "beta"), **top: Any) -> dict[str, Any]:
+    return {
+        "listen": "127.0.0.1:7777",
+        "db": db,
+        "hosts": {n: {"base_url": f"http://127.0.0.1:{18081 + i}", "models": ["m"]}
+                  for i, n in enumerate(hosts)},
+        "routes": {"r": {"hosts": list(hosts), "default_model": "m"}},
+        **top,
+    }
+
+
+@pytest.fixture
+def pg_router(pg_url: str) -> Iterator[Router]:
+    r = Router(parse_config(pg_raw(pg_url)))
+    r.open()
+    try:
+        yield r
+    finally:
+        r.store.close()
+
+
+def reconfigure(router: Router, new_raw: dict[str, Any]) -> int:
+    new = parse_config(new_raw)
+    return router.reconfigure(new, plan_reload(router.cfg, new))
+
+
+async def test_a_reloaded_lease_idle_governs_the_shared_claim(pg_url: str) -> None:
+    """README: `lease_idle` reloads live. The shared claim (`Fleetwide.claim`) keeps the value the
+    router started with, so a lease idle past the new `lease_idle` is not taken over."""
+    base = pg_raw(pg_url, lease_idle="1h")
+    r = Router(parse_config(base))
+    r.open()
+    try:
+        assert r.fleetwide is not None and r.store.shared is not None
+        now = time.time()
+        # another instance placed the conversation on alpha ten minutes ago; it has been idle since
+        await r.store.shared.claim_lease("r", "fp", "m", "alpha", now - 600)
+        reconfigure(r, {**base, "lease_idle": "5m"})
+        assert r.cfg.lease_idle == 300 and r.leases.idle == 300
+        # idle for 600 s > lease_idle 300 s: placed anew here, as a fresh instance would
+        assert await r.fleetwide.claim(Key("r", "fp", "m"), "beta") == "beta"
+    finally:
+        r.store.close()
+
+
+@pytest.mark.parametrize("learned", ["from the notice", "at start-up"])
+def test_a_host_added_by_reload_takes_its_fleet_wide_drain(pg_url: str, learned: str) -> None:
+    """A host drained through another instance and added here by a reload must be draining here
+    too, as it is on an instance started with that configuration: whether this instance heard of
+    the drain from the change feed or read it from host_drains when it started."""
+    other = Router(parse_config(pg_raw(pg_url, hosts=("alpha", "beta"))))
+    other.open()
+    here = Router(parse_config(pg_raw(pg_url, hosts=("alpha",))))
+    here.open()
+    if learned == "at start-up":
+        other.set_draining("beta", True)  # written to host_drains and announced
+        assert other.store.flush()
+        here.store.close()
+        here = Router(parse_config(pg_raw(pg_url, hosts=("alpha",))))
+        here.open()
+    try:
+        assert here.fleetwide is not None
+        if learned == "from the notice":
+            other.set_draining("beta", True)
+            # as the change feed delivers it
+            here.fleetwide.on_change(Change("drain", host="beta", instance="other"))
+        reconfigure(here, pg_raw(pg_url, hosts=("alpha", "beta")))
+        assert "beta" in here.fleet.conf
+        assert here.fleet.draining("beta"), "the fleet-wide drain of beta is ignored after the reload"
+    finally:
+        here.store.close()
+        other.store.close()
+
+
+def test_a_drained_host_whose_address_changes_stays_drained(pg_router: Router, pg_url: str) -> None:
+    """An operator's drain is not something crossbar learned: a reload that moves the host to
+    another address must not undrain it (the database still says it is drained)."""
+    pg_router.set_draining("alpha", True)
+    assert pg_router.store.flush()
+    new = copy.deepcopy(pg_raw(pg_url))
+    new["hosts"]["alpha"]["base_url"] = "http://127.0.0.1:18099"
+    reconfigure(pg_router, new)
+    assert pg_router.store.drained_hosts() == {"alpha"}
+    assert pg_router.fleet.draining("alpha"), "the reload undrained alpha in memory only"
+
+
+
+
+def test_a_lease_announced_on_a_host_this_instance_removed_is_not_adopted(pg_url: str) -> None:
+    """Another instance (not reloaded yet) announces a conversation on beta; this instance's reload
+    removed beta: no lease here may point at a host that no longer exists."""
+    r = Router(parse_config(pg_raw(pg_url)))
+    r.open()
+    try:
+        reconfigure(r, pg_raw(pg_url, hosts=("alpha",)))
+        assert r.fleetwide is not None
+        r.fleetwide.on_change(Change("lease", "r", "fp", "m", "beta", instance="other"))
+        hosts = {lease.host for lease in r.leases.snapshot()}
+        assert "beta" not in hosts, f"lease adopted on a host not in the configuration: {hosts}"
+    finally:
+        r.store.close()
+
+
+def test_a_pin_announced_on_a_host_this_instances_route_no_longer_lists_is_not_applied(pg_url: str) -> None:
+    """This instance's reload took beta out of route r (its own pins there are cleared, see
+    Router._repin); another instance, not reloaded yet, pins r to beta. Applied as is, every turn
+    of r on this instance is refused (503 pinned_down) for a host its route does not have."""
+    r = Router(parse_config(pg_raw(pg_url)))
+    r.open()
+    try:
+        new = copy.deepcopy(pg_raw(pg_url))
+        new["routes"]["r"]["hosts"] = ["alpha"]
+        reconfigure(r, new)
+        assert r.fleetwide is not None
+        r.fleetwide.on_change(Change("pin", "r", host="beta", instance="other"))
+        assert r.leases.pinned("r") != "beta", "route r pinned to a host it does not list"
+    finally:
+        r.store.close()
+
+
+async def test_a_resync_leaves_out_leases_and_pins_on_hosts_the_route_no_longer_lists(pg_url: str) -> None:
+    """After the feed was lost the database's leases and pins are read back: those another
+    instance made on a host this instance's reloaded route does not list stay out, as their
+    notices would."""
+    other = Router(parse_config(pg_raw(pg_url)))
+    other.open()
+    here = Router(parse_config(pg_raw(pg_url)))
+    here.open()
+    try:
+        new = copy.deepcopy(pg_raw(pg_url))
+        new["routes"]["r"]["hosts"] = ["alpha"]
+        reconfigure(here, new)
+        now = time.time()
+        other.leases.apply(Key("r", "fp", "m"), LeaseChange(Placed.CREATE, "beta"), now)
+        other.leases.apply(Key("r", "fp2", "m"), LeaseChange(Placed.CREATE, "alpha"), now)
+        assert other.store.flush()
+        assert here.fleetwide is not None
+        await here.fleetwide.resync()
+        assert {lease.key.fp: lease.host for lease in here.leases.snapshot()} == {"fp2": "alpha"}
+        other.leases.pin("r", "beta", ("alpha", "beta"), now)
+        assert other.store.flush()
+        await here.fleetwide.resync()
+        assert here.leases.pinned("r") == ""
+    finally:
+        here.store.close()
+        other.store.close()
