@@ -471,3 +471,24 @@ def test_run_sh_survives_a_sighup_before_crossbar_is_loaded(tmp_path: Path) -> N
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+async def test_a_listener_that_could_not_open_is_opened_by_the_next_reload(tmp_path: Path) -> None:
+    """A route's `listen` on a taken port: that reload answers 500. Once the port is free, the
+    same file reloaded again opens it (it answered 200 "no change" and left it closed)."""
+    async with served(tmp_path, {"alpha": spec()}) as (setup, proxy):
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        side = {"hosts": ["alpha"], "default_model": "m", "listen": f"127.0.0.1:{port}"}
+        setup.write({"alpha": spec()}, {"r": {"hosts": ["alpha"], "default_model": "m"}, "side": side})
+        status, answer = await reload(proxy)
+        assert status == 500 and str(port) in answer["error"]["message"], answer
+        taken.close()  # the operator frees the port and reloads again
+        status, answer = await reload(proxy)
+        assert status == 200, answer
+        assert complete(await turn(port, "agent", path="/v1/chat/completions"), 2)
+        status, answer = await reload(proxy)  # and nothing changes after that
+        assert (status, answer["changed"]) == (200, "no change"), answer
+        assert complete(await turn(port, "agent", turn_no=1, path="/v1/chat/completions"), 2)

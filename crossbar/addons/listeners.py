@@ -136,8 +136,14 @@ async def serve_on(specs: list[str]) -> list[str]:
         await asyncio.sleep(0.01)
         if settled():
             break
-    running = {server.mode.full_spec for server in ps.servers if server.is_running}
+    running = listening()
     return [spec for spec in specs if spec not in running]
+
+
+def listening() -> set[str]:
+    """The mode specs of the listeners mitmproxy has open."""
+    ps = ctx.master.addons.get("proxyserver")
+    return {server.mode.full_spec for server in ps.servers if server.is_running}
 
 
 def mitmproxy_options(cfg: Config) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from mitmproxy import ctx
 from mitmproxy.addonmanager import Loader
 
 from crossbar import admin_access, errors
-from crossbar.addons.listeners import listener_roles, mitmproxy_options, serve_on
+from crossbar.addons.listeners import listener_roles, listening, mitmproxy_options, serve_on
 from crossbar.addons.runtime import Runtime
 from crossbar.config import Config, ConfigError, load_config
 from crossbar.decisions import Rejection
@@ -128,9 +128,14 @@ class Reload:
         roles = listener_roles(new)
         specs = list(roles)
         rt.roles = {**rt.roles, **roles}
-        if specs == rt.listen_specs or rt.stopping:  # a stop closes every listener: none reopens
+        if rt.stopping:  # a stop closes every listener: none reopens
+            return []
+        failed = [spec for spec in specs if spec not in listening()]
+        if specs == rt.listen_specs and not failed:
             return []
         rt.listen_specs = specs
+        if failed:  # mitmproxy keeps a listener that failed to open as it is: drop it, then ask again
+            await serve_on([spec for spec in specs if spec not in failed])
         return await serve_on(specs)
 
     def _stop_script_reload(self) -> None:
