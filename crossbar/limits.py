@@ -10,6 +10,9 @@ over its `body_size_limit` with an HTML page. So crossbar wraps each connection'
 - a `Content-Length` over `max_body` is a JSON 413 before any of the body is read; a chunked body
   is counted as it arrives and cut with the same JSON 413 when it passes `max_body`; a body that
   pauses longer than `body_timeout` between two reads is a JSON 408;
+- body framing that mitmproxy would refuse (its HTML 400) or read otherwise than crossbar counts
+  it (a chunk line past MAX_CHUNK_LINE, trailer fields, on which mitmproxy crashes) is a JSON 400,
+  and so is TLS or HTTP/2 on a listener (what they carry would pass beneath these limits);
 - a response head from an upstream over `max_head` never reaches mitmproxy: the client gets
   crossbar's JSON 502 and the host is marked down;
 - each peer address may hold at most `max_connections_per_peer` connections;
@@ -35,6 +38,7 @@ from typing import Any, Protocol
 
 from mitmproxy import ctx, http
 from mitmproxy.connection import Client, Connection
+from mitmproxy.net.http import validate
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from crossbar.app import Router
@@ -48,7 +52,7 @@ LENGTH_DIGITS = 18  # a Content-Length this long is already past any body crossb
 DEADLINE_CHECK = 1.0  # seconds between looks at a deadline set while a read was waiting
 LINGER_SECONDS = 2.0
 TRIM_AFTER = 1024 * 1024  # an unfinished upload larger than this returns its memory to the system
-HEAD, LENGTH, CHUNKED, PASS = "head", "length", "chunked", "pass"
+HEAD, LENGTH, CHUNKED, BAD = "head", "length", "chunked", "bad"
 ANSWERED = "crossbar.answered"  # flow.metadata: the flow's answer was counted as written
 
 
@@ -96,6 +100,28 @@ def has_folded_line(head: bytes) -> bool:
     return b"\n " in head or b"\n\t" in head
 
 
+def bad_framing() -> Refusal:
+    return Refusal(400, BAD_REQUEST, "request head has conflicting or invalid Content-Length or "
+                   "Transfer-Encoding fields", Rejection.BAD_REQUEST)
+
+
+def bad_chunk() -> Refusal:
+    return Refusal(400, BAD_REQUEST, "malformed chunked request body", Rejection.BAD_REQUEST)
+
+
+def chunk_trailer() -> Refusal:
+    return Refusal(400, BAD_REQUEST, "chunked request body with trailer fields (not accepted)",
+                   Rejection.BAD_REQUEST)
+
+
+def not_plain_http() -> Refusal:
+    return Refusal(400, BAD_REQUEST, "crossbar listens for plain HTTP/1.1 (no TLS, no HTTP/2)",
+                   Rejection.BAD_REQUEST)
+
+
+_CHUNK_REFUSALS: dict[str, Callable[[], Refusal]] = {"malformed": bad_chunk, "trailer": chunk_trailer}
+
+
 def body_timeout(limit: float) -> Refusal:
     return Refusal(408, BAD_REQUEST, f"request body paused longer than {limit:g}s (body_timeout)",
                    Rejection.BODY_TIMEOUT)
@@ -122,22 +148,37 @@ _FRAMING_FIELD = re.compile(rb"\n[ \t\r\x0b\x0c]*(content-length|transfer-encodi
 
 
 def body_framing(head: bytes) -> tuple[str, int]:
-    """(LENGTH, n), (CHUNKED, 0), (HEAD, 0) for no body, or (PASS, 0) for framing mitmproxy will
-    refuse itself (conflicting or malformed lengths)."""
-    length, encoding = _plain_length(head), None
+    """(LENGTH, n), (CHUNKED, 0), (HEAD, 0) for no body, or (BAD, 0) for framing fields mitmproxy
+    refuses (it would answer its own HTML 400): a Content-Length that is not a plain decimal,
+    several of them, one beside a Transfer-Encoding, several Transfer-Encodings, one outside
+    HTTP/1.1 or whose last coding is not chunked. Where mitmproxy takes a head, it frames the body
+    the same way (the tests check it against mitmproxy's own reading)."""
+    length = _plain_length(head)
     if length is None:
-        fields = _framing_fields(head)
-        if fields is None:
-            return PASS, 0
-        length, encoding = fields
-    if encoding is not None:
-        return (CHUNKED, 0) if encoding.endswith(b"chunked") else (PASS, 0)
-    if length is None:
-        return HEAD, 0
-    if not length.isdigit():
-        return PASS, 0
+        lengths, encodings = _framing_fields(head)
+        if encodings:
+            chunked = not lengths and len(encodings) == 1 and _chunked(head, encodings[0])
+            return (CHUNKED, 0) if chunked else (BAD, 0)
+        if not lengths:
+            return HEAD, 0
+        if len(lengths) > 1:
+            return BAD, 0
+        length = lengths[0]
+    if not length.isdigit() or (length[:1] == b"0" and length != b"0"):  # mitmproxy's `0|[1-9][0-9]*`
+        return BAD, 0
     size = _length(length)
     return (LENGTH, size) if size else (HEAD, 0)
+
+
+def _chunked(head: bytes, coding: bytes) -> bool:
+    """A Transfer-Encoding mitmproxy takes on a request: chunked last, and HTTP/1.1."""
+    request_line = head[:head.find(b"\n")].split()
+    if len(request_line) != 3 or request_line[2] != b"HTTP/1.1":
+        return False
+    try:
+        return validate.parse_transfer_encoding(coding).endswith("chunked")
+    except ValueError:
+        return False
 
 
 def _length(digits: bytes) -> int:
@@ -161,65 +202,76 @@ def _plain_length(head: bytes) -> bytes | None:
     return head[at + 16:line_end if line_end >= 0 else len(head)].strip()
 
 
-def _framing_fields(head: bytes) -> tuple[bytes | None, bytes | None] | None:
-    """(Content-Length value, Transfer-Encoding value) of every framing field the head has, or
-    None for Content-Length fields that disagree."""
-    length: bytes | None = None
-    encoding: bytes | None = None
+def _framing_fields(head: bytes) -> tuple[list[bytes], list[bytes]]:
+    """The values of every Content-Length and every Transfer-Encoding field of the head."""
+    lengths: list[bytes] = []
+    encodings: list[bytes] = []
     for field_ in _FRAMING_FIELD.finditer(head):
         name, value = field_.group(1), field_.group(2).strip()
-        if name.lower() == b"transfer-encoding":
-            encoding = value.lower()
-        elif length is not None and length != value:
-            return None
-        else:
-            length = value
-    return length, encoding
+        (encodings if name.lower() == b"transfer-encoding" else lengths).append(value)
+    return lengths, encodings
+
+
+# a chunk-size line as mitmproxy's reader (h11) takes it, without its CRLF: hex digits, any
+# extension, trailing blanks
+_CHUNK_SIZE_LINE = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;[^\n]*)?[ \t]*")
 
 
 class ChunkCounter:
-    """Follows a chunked body's framing; counts its data against `limit`."""
+    """Follows a chunked body's framing as mitmproxy's reader does; counts its data against
+    `limit`. A line mitmproxy would read otherwise, one longer than MAX_CHUNK_LINE (extensions
+    included) or a trailer field ends it: mitmproxy crashes on a request trailer."""
 
     def __init__(self, limit: int):
         self.limit, self.total = limit, 0
         self._line = bytearray()
         self._need = 0
+        self._footer = b""  # what is still due of the CRLF that ends a chunk's data
         self._in_trailer = False
 
     def feed(self, data: bytes, pos: int) -> tuple[int, str]:
-        """Consume from data[pos:]: (bytes consumed, "" | "done" | "over" | "malformed")."""
+        """Consume from data[pos:]: (bytes consumed, "" | "done" | "over" | "malformed" | "trailer")."""
         start = pos
         while pos < len(data):
             if self._need:
                 take = min(self._need, len(data) - pos)
                 pos += take
                 self._need -= take
+                self._footer = b"" if self._need else b"\r\n"
                 continue
-            newline = data.find(b"\n", pos)
-            if newline < 0:
-                self._line += data[pos:]
-                pos = len(data)
-                if len(self._line) > MAX_CHUNK_LINE:
+            if self._footer:  # compared byte by byte, as mitmproxy's reader does
+                take = min(len(self._footer), len(data) - pos)
+                if data[pos:pos + take] != self._footer[:take]:
                     return pos - start, "malformed"
+                pos += take
+                self._footer = self._footer[take:]
+                continue
+            newline = data.find(b"\n", pos, pos + MAX_CHUNK_LINE + 1 - len(self._line))
+            if newline < 0:
+                self._line += data[pos:pos + MAX_CHUNK_LINE + 1]
+                if len(self._line) > MAX_CHUNK_LINE:
+                    return len(data) - start, "malformed"
+                pos = len(data)
                 break
             self._line += data[pos:newline]
             pos = newline + 1
-            line = bytes(self._line).strip()
+            line = bytes(self._line)
             self._line.clear()
             verdict = self._line_done(line)
             if verdict:
                 return pos - start, verdict
         return pos - start, ""
 
-    def _line_done(self, line: bytes) -> str:
-        if self._in_trailer:
-            return "" if line else "done"
-        if not line:
-            return ""  # the CRLF after a chunk's data
-        try:
-            size = int(line.split(b";", 1)[0], 16)
-        except ValueError:
+    def _line_done(self, raw: bytes) -> str:
+        """One line, without its LF."""
+        if self._in_trailer:  # mitmproxy ends the body at a blank line, with or without its CR
+            return "done" if raw in (b"", b"\r") else "trailer"
+        if raw[-1:] != b"\r":  # mitmproxy's lines end with CRLF
             return "malformed"
+        matched = _CHUNK_SIZE_LINE.fullmatch(raw, 0, len(raw) - 1)
+        if matched is None:
+            return "malformed"
+        size = int(matched.group(1), 16)
         if size == 0:
             self._in_trailer = True
             return ""
@@ -256,10 +308,12 @@ class RequestFramer:
         returned with a refusal is complete data mitmproxy may still have)."""
         if self._fresh and data:
             self._fresh = False
+            # TLS (mitmproxy would answer the handshake with a certificate of its own) or HTTP/2:
+            # what it carries would pass beneath these limits
             if data[:1] == b"\x16" or data.startswith(b"PRI * HTTP/2"):
-                self.state = PASS  # TLS or HTTP/2: not ours to frame
-        if self.state == PASS or (self.state == LENGTH and len(data) < self._remaining):
-            self._remaining -= len(data) if self.state == LENGTH else 0
+                return b"", not_plain_http()
+        if self.state == LENGTH and len(data) < self._remaining:
+            self._remaining -= len(data)
             return data, None  # the common case, a body passing through: no copy
         if self.state == HEAD and not self.head and self._one_whole_request(data):
             return data, None
@@ -267,9 +321,6 @@ class RequestFramer:
         out: list[bytes | memoryview] = []  # joined once: each piece of `data` is copied only there
         pos = 0
         while pos < len(data):
-            if self.state == PASS:
-                out.append(view[pos:])
-                break
             if self.state == LENGTH:
                 take = min(self._remaining, len(data) - pos)
                 out.append(view[pos:pos + take])
@@ -282,13 +333,15 @@ class RequestFramer:
             if self.state == CHUNKED:
                 assert self._chunks is not None
                 used, verdict = self._chunks.feed(data, pos)
+                if verdict in _CHUNK_REFUSALS:  # the line mitmproxy would misread never reaches it
+                    return b"".join(out), _CHUNK_REFUSALS[verdict]()
                 out.append(view[pos:pos + used])
                 pos += used
                 if verdict == "over":
                     return b"".join(out), body_too_large(self.max_body)
                 if verdict:
-                    self.state = PASS if verdict == "malformed" else HEAD
-                    self.whole += verdict == "done"
+                    self.state = HEAD
+                    self.whole += 1
                 continue
             pos, refusal = self._feed_head(data, pos, out)
             if refusal:
@@ -334,6 +387,9 @@ class RequestFramer:
         if has_folded_line(head):
             return len(data), folded_header()
         self.state, self._remaining = body_framing(head)
+        if self.state == BAD:
+            self.state = HEAD
+            return len(data), bad_framing()
         if self.state == LENGTH and self._remaining > self.max_body:
             return len(data), body_too_large(self.max_body)
         self.heads += 1
