@@ -1,10 +1,10 @@
 """Who is calling: gates routes that list `peers`.
 
-- `tailscale`: the caller's address is resolved with `tailscale whois --json ADDR`, cached
-  briefly. A caller matches a peer by its node's MagicDNS name (short or full), one of its tags,
-  or its owner's login name — names the coordination server assigns, never the hostname a node
-  reports about itself. A missing or failing `tailscale` is a start-up error, and at request time a
-  503 — never an open door.
+- `tailscale`: the caller's address is resolved with `tailscale whois --json ADDR`, one lookup
+  per address at a time, cached briefly. A caller matches a peer by its node's MagicDNS name
+  (short or full), one of its tags, or its owner's login name — names the coordination server
+  assigns, never the hostname a node reports about itself. A missing or failing `tailscale` is a
+  start-up error, and at request time a 503 — never an open door.
 - `header`: trusts `X-Crossbar-Peer` (for tests; anyone can send it).
 """
 
@@ -19,6 +19,8 @@ from typing import Any
 
 PEER_HEADER = "x-crossbar-peer"
 CACHE_SECONDS = 60.0
+FAILED_SECONDS = 5.0  # a caller whose lookup failed gets 503s without a new lookup for this long
+CACHE_MAX = 4096  # callers remembered; the least recently looked up go first
 WHOIS_TIMEOUT = 5.0
 
 
@@ -54,10 +56,14 @@ def admitted(peers: Collection[str], names: Collection[str]) -> bool:
 
 
 class Tailscale:
+    """`tailscale whois` per caller address: one lookup at a time per address (the requests that
+    arrive meanwhile share it), its answer cached for `ttl` seconds, a failure for FAILED_SECONDS."""
+
     def __init__(self, binary: str = "tailscale", ttl: float = CACHE_SECONDS,
                  clock: Callable[[], float] = time.monotonic):
         self.binary, self.ttl, self.clock = binary, ttl, clock
-        self._cache: dict[str, tuple[float, frozenset[str]]] = {}
+        self._cache: dict[str, tuple[float, frozenset[str] | str]] = {}  # names, or why it failed
+        self._lookups: dict[str, asyncio.Future[frozenset[str]]] = {}
 
     async def check(self) -> str:
         """At start-up: the binary runs. Returns its version line."""
@@ -68,16 +74,43 @@ class Tailscale:
 
     async def names(self, address: str) -> frozenset[str]:
         hit = self._cache.get(address)
-        now = self.clock()
-        if hit and now - hit[0] < self.ttl:
-            return hit[1]
-        out = await self._run("whois", "--json", address)
+        if hit is not None:
+            at, found = hit
+            if self.clock() - at < (self.ttl if isinstance(found, frozenset) else FAILED_SECONDS):
+                if isinstance(found, str):
+                    raise IdentityError(found)
+                return found
+        lookup = self._lookups.get(address)
+        if lookup is None:
+            lookup = self._lookups[address] = asyncio.ensure_future(self._look_up(address))
+            lookup.add_done_callback(lambda done: self._looked_up(address, done))
+        # a request that leaves does not cancel the lookup the others wait for
+        return await asyncio.shield(lookup)
+
+    async def _look_up(self, address: str) -> frozenset[str]:
         try:
-            names = names_from_whois(json.loads(out))
-        except ValueError as exc:
-            raise IdentityError(f"tailscale whois {address}: not JSON") from exc
-        self._cache[address] = (now, names)
+            out = await self._run("whois", "--json", address)
+            try:
+                names = names_from_whois(json.loads(out))
+            except ValueError as exc:
+                raise IdentityError(f"tailscale whois {address}: not JSON") from exc
+        except IdentityError as exc:
+            self._remember(address, str(exc))
+            raise
+        self._remember(address, names)
         return names
+
+    def _remember(self, address: str, found: frozenset[str] | str) -> None:
+        self._cache.pop(address, None)  # to the end: the oldest entries go first
+        self._cache[address] = (self.clock(), found)
+        while len(self._cache) > CACHE_MAX:
+            del self._cache[next(iter(self._cache))]
+
+    def _looked_up(self, address: str, done: asyncio.Future[frozenset[str]]) -> None:
+        if self._lookups.get(address) is done:
+            del self._lookups[address]
+        if not done.cancelled():
+            done.exception()  # retrieved: every waiter may have left
 
     async def _run(self, *args: str) -> str:
         try:

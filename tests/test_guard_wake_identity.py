@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from pathlib import Path
 from types import MappingProxyType
 
 import pytest
 from samples_util import SAMPLES, load
 
+from crossbar import identity
 from crossbar.config import Address, HostConf, ModelConf, WakeConf
 from crossbar.guard import TokenEstimator, _whole_tokens, fits, overflow
-from crossbar.identity import admitted, names_from_whois
+from crossbar.identity import FAILED_SECONDS, IdentityError, Tailscale, admitted, names_from_whois
 from crossbar.wake import Waker, magic_packet
 
 # ---------------------------------------------------------------- guard
@@ -205,3 +207,60 @@ def test_admitted(peers: tuple[str, ...], names: frozenset[str], ok: bool) -> No
 ])
 def test_an_estimate_is_rounded_up_past_float_error(estimate: float, tokens: int) -> None:
     assert _whole_tokens(estimate) == tokens == math.ceil(round(estimate, 6))
+
+
+def counting_tailscale(tmp_path: Path, answer: str, delay: float = 0.3) -> tuple[Path, Path]:
+    """A `tailscale` that notes each run in a file, waits, then prints `answer` (exit 1 if empty)."""
+    calls, binary = tmp_path / "calls", tmp_path / "tailscale"
+    reply = f"echo '{answer}'" if answer else "exit 1"
+    binary.write_text(f"#!/bin/sh\necho x >> {calls}\nsleep {delay}\n{reply}\n")
+    binary.chmod(0o755)
+    return binary, calls
+
+
+def runs(calls: Path) -> int:
+    return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+
+WHOIS_JSON = json.dumps({"Node": {"Name": "talos.tail1a2b.ts.net.", "Tags": []},
+                         "UserProfile": {"LoginName": "kyle@github"}})
+
+
+async def test_requests_from_one_caller_share_one_lookup_and_one_that_leaves_costs_the_others_nothing(
+        tmp_path: Path) -> None:
+    """Each request of a burst ran its own `tailscale whois` (20 processes for one caller)."""
+    binary, calls = counting_tailscale(tmp_path, WHOIS_JSON)
+    ts = Tailscale(binary=str(binary))
+    leaving = asyncio.ensure_future(ts.names("100.64.0.7"))
+    staying = [asyncio.ensure_future(ts.names("100.64.0.7")) for _ in range(19)]
+    await asyncio.sleep(0.05)
+    leaving.cancel()
+    assert all("talos" in names for names in await asyncio.gather(*staying))
+    assert runs(calls) == 1
+    assert "talos" in await ts.names("100.64.0.7") and runs(calls) == 1  # cached
+
+
+async def test_a_failed_lookup_is_a_503_for_a_few_seconds_without_another_run(tmp_path: Path) -> None:
+    binary, calls = counting_tailscale(tmp_path, "", delay=0)
+    now = [0.0]
+    ts = Tailscale(binary=str(binary), clock=lambda: now[0])
+    for _ in range(3):
+        with pytest.raises(IdentityError, match="failed"):
+            await ts.names("100.64.0.9")
+    assert runs(calls) == 1
+    now[0] += FAILED_SECONDS
+    with pytest.raises(IdentityError):
+        await ts.names("100.64.0.9")
+    assert runs(calls) == 2
+
+
+async def test_the_lookup_cache_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(identity, "CACHE_MAX", 3)
+    binary, calls = counting_tailscale(tmp_path, WHOIS_JSON, delay=0)
+    ts = Tailscale(binary=str(binary))
+    for i in range(5):
+        await ts.names(f"100.64.0.{i}")
+    await ts.names("100.64.0.4")  # still remembered
+    assert runs(calls) == 5
+    await ts.names("100.64.0.0")  # forgotten: looked up again
+    assert runs(calls) == 6
