@@ -338,7 +338,7 @@ class RequestFramer:
                 out.append(view[pos:pos + used])
                 pos += used
                 if verdict == "over":
-                    return b"".join(out), body_too_large(self.max_body)
+                    return b"".join(out), body_too_large(self._chunks.limit)
                 if verdict:
                     self.state = HEAD
                     self.whole += 1
@@ -484,6 +484,12 @@ class ClientReader:
         self._timer: asyncio.TimerHandle | None = None
         self._reading: asyncio.Task[Any] | None = None  # the task waiting in `_read`, if any
         self._expired = False  # the timer cancelled that read
+
+    def take(self, limits: LimitSettings) -> None:
+        """New limits, from the next request on."""
+        self.framer.max_head, self.framer.max_body = limits.max_head, limits.max_body
+        self.head_timeout, self.idle_timeout = limits.head_timeout, limits.idle_timeout
+        self.body_timeout = limits.body_timeout
 
     def answer_written(self) -> None:
         self.answered += 1
@@ -670,6 +676,18 @@ class Limits:
         cfg = router.cfg
         return LimitSettings(cfg.max_head, cfg.max_body, cfg.head_timeout, cfg.idle_timeout, cfg.body_timeout,
                              cfg.max_connections_per_peer)
+
+    def reconfigured(self) -> None:
+        """After a reload: connections already open take the new limits from their next request
+        on (a request under way keeps those it began with); the cap on connections per peer
+        counts the open ones and refuses new ones past it."""
+        limits = self.settings()
+        if limits is None:
+            return
+        for reader in self._clients.values():
+            reader.take(limits)
+        for upstream in self._upstreams.values():
+            upstream.framer.max_head = limits.max_head
 
     def count(self, reason: Rejection) -> None:
         router = self.router()

@@ -492,3 +492,28 @@ async def test_a_listener_that_could_not_open_is_opened_by_the_next_reload(tmp_p
         status, answer = await reload(proxy)  # and nothing changes after that
         assert (status, answer["changed"]) == (200, "no change"), answer
         assert complete(await turn(port, "agent", turn_no=1, path="/v1/chat/completions"), 2)
+
+
+def chat_bytes(pad: int, **headers: str) -> bytes:
+    body = json.dumps({"messages": messages("kept"), "max_tokens": 2, "metadata": {"pad": "x" * pad}}).encode()
+    extra = "".join(f"{k.replace('_', '-')}: {v}\r\n" for k, v in headers.items())
+    return (f"POST {CHAT} HTTP/1.1\r\nHost: crossbar\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def test_reloaded_limits_reach_connections_kept_open_across_the_reload(tmp_path: Path) -> None:
+    """Agents keep their connections open: a raised max_body, a lowered max_head applied only to
+    connections opened after the reload (each connection kept the limits it was opened with)."""
+    async with served(tmp_path, {"alpha": spec()}, max_body="1KiB") as (setup, proxy):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        try:
+            assert (await send_on(reader, writer, chat_bytes(100)))[0] == 200
+            setup.write({"alpha": spec()}, max_body="8KiB", max_head="4KiB")
+            status, answer = await reload(proxy)
+            assert status == 200 and "max_body" in answer["changed"], answer
+            status, _, body = await send_on(reader, writer, chat_bytes(2000))
+            assert status == 200, body[:300]
+            status, _, body = await send_on(reader, writer, chat_bytes(10, X_Pad="y" * 5000))
+            assert status == 431 and b"max_head" in body, body[:300]
+        finally:
+            writer.close()

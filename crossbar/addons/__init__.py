@@ -39,9 +39,10 @@ __all__ = ["Bundle", "Runtime", "make_addon", "make_addons"]
 def make_addons(rt: Runtime | None = None) -> list[Any]:
     """The addons around one shared `Runtime` (pass one to inspect it, as the tests do)."""
     rt = rt or Runtime()
-    return [Limits(lambda: rt.router, lambda: rt.reclaimer.soon()), Listeners(rt), Reload(rt), Clients(rt),
-            AdminApi(rt), GracefulStop(rt), Route(rt), Failover(rt), Account(rt),
-            FlowCap(lambda: rt.cfg.mitmweb_keep_flows if rt.cfg else 500)]
+    limits = Limits(lambda: rt.router, lambda: rt.reclaimer.soon())
+    rt.limits_reloaded = limits.reconfigured
+    return [limits, Listeners(rt), Reload(rt), Clients(rt), AdminApi(rt), GracefulStop(rt), Route(rt),
+            Failover(rt), Account(rt), FlowCap(lambda: rt.cfg.mitmweb_keep_flows if rt.cfg else 500)]
 
 
 def make_addon(rt: Runtime | None = None) -> Bundle:

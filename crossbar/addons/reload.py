@@ -100,6 +100,7 @@ class Reload:
         await self._check_identity(rt.cfg, new)
         dropped = rt.router.reconfigure(new, change)
         rt.cfg = new
+        rt.limits_reloaded()
         rt.admin_policy = admin_access.AdminPolicy.from_config(new)
         ctx.options.update(**mitmproxy_options(new))
         await rt.router.poll_hosts((*change.hosts_added, *change.hosts_changed))  # not optimistic for long

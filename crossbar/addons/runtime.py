@@ -49,6 +49,8 @@ class Runtime:
         self.roles: dict[str, tuple[str, str]] = {}  # listener spec → (role, route name)
         self.stopping = False
         self.reloader: Callable[[], Awaitable[str]] | None = None  # re-reads the configuration file
+        # after a reload: the connection limits reach connections already open (`Limits.reconfigured`)
+        self.limits_reloaded: Callable[[], None] = lambda: None
         # per client connection: set when it leaves; the upstream addresses it holds open
         # (mitmproxy reuses those); the flow being forwarded on it
         self.gone: WeakIdDict[Client, asyncio.Event] = WeakIdDict()
