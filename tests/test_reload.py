@@ -495,7 +495,8 @@ async def test_a_listener_that_could_not_open_is_opened_by_the_next_reload(tmp_p
 
 
 def chat_bytes(pad: int, **headers: str) -> bytes:
-    body = json.dumps({"messages": messages("kept"), "max_tokens": 2, "metadata": {"pad": "x" * pad}}).encode()
+    chat = {"messages": messages("kept"), "max_tokens": 2, "metadata": {"pad": "x" * pad}}
+    body = json.dumps(chat).encode()
     extra = "".join(f"{k.replace('_', '-')}: {v}\r\n" for k, v in headers.items())
     return (f"POST {CHAT} HTTP/1.1\r\nHost: crossbar\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
