@@ -60,8 +60,13 @@ FINGERPRINT_BYTES = 4096
 MODEL_MAX = 256  # characters of a model name; longer or unprintable names are refused
 TOKEN_ID_BYTES = int(DEFAULT_BYTES_PER_TOKEN)  # a literal token id counts as this many prompt bytes
 # Bodies this large are peeked in a worker thread, a piece at a time; a smaller one is parsed on the
-# loop in one call (about 1 ms per MiB here), which is quicker than the thread's hand-over.
+# loop in one call (about 1 ms per MiB here), which is quicker than the thread's hand-over...
 OFF_LOOP_BYTES = 2 * 1024 * 1024
+# ...unless it holds this many JSON values (a small body of tiny values, `[[],[],...]`, took 0.1 s
+# to parse and 0.4 s to tally per 2 MiB): every value but the last of an array or object follows a
+# comma, so a body of fewer commas holds fewer values. Bodies under COUNT_FROM are not counted.
+OFF_LOOP_VALUES = 16_384
+COUNT_FROM = 32 * 1024
 _DECODE_PIECE = 1 << 20  # UTF-8 is decoded a piece at a time: each C call stays short
 _PACE_ITEMS = 256  # array elements parsed between two offers of the interpreter to other threads
 SYSTEM_ROLES = frozenset({"system", "developer"})
@@ -398,17 +403,19 @@ def _scan_members(text: str, at: int, sinks: Mapping[str, Callable[[], Sink]],
             raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
 
 
-def _load_object(raw: bytes, sinks: Mapping[str, Callable[[], Sink]] | None = None) -> dict[str, Any]:
+def _load_object(raw: bytes, sinks: Mapping[str, Callable[[], Sink]] | None = None,
+                 piecewise: bool = False) -> dict[str, Any]:
     """The body as a JSON object. NaN and ±Infinity are refused (they are not JSON). A body below
-    OFF_LOOP_BYTES is read by orjson in one call (`crossbar.jsonread`); a larger one, or one orjson
-    refuses, by the standard library: a large body is decoded and parsed a piece at a time (the
-    same result and errors as one `json.loads`), its top-level arrays named in `sinks` fed to them
-    one element at a time."""
-    obj = jsonread.loads(raw) if len(raw) < OFF_LOOP_BYTES else UNREAD
+    OFF_LOOP_BYTES is read by orjson in one call (`crossbar.jsonread`); a larger one, one asked to
+    be read `piecewise`, or one orjson refuses, by the standard library: piecewise, it is decoded
+    and parsed a piece at a time (the same result and errors as one `json.loads`), its top-level
+    arrays named in `sinks` fed to them one element at a time."""
+    piecewise = piecewise or len(raw) >= OFF_LOOP_BYTES
+    obj = UNREAD if piecewise else jsonread.loads(raw)
     if isinstance(obj, dict):  # the usual body
         return obj
     if obj is UNREAD:
-        obj = _load_standard(raw, len(raw) >= OFF_LOOP_BYTES, sinks)
+        obj = _load_standard(raw, piecewise, sinks)
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object")
     return obj
@@ -546,6 +553,23 @@ def _piece_bytes(item: Any) -> int:
     return 0
 
 
+class _PieceTally:
+    """A prompt list's bytes, summed a batch of elements at a time as a large body is parsed (the
+    elements are dropped: a list of many tiny ones never piles up for the garbage collector)."""
+
+    __slots__ = ("prompt_bytes",)
+
+    def __init__(self) -> None:
+        self.prompt_bytes = 0
+
+    def extend(self, items: Sequence[Any]) -> None:
+        self.prompt_bytes += sum(map(_piece_bytes, items))
+
+
+_PROMPT_SINKS: Mapping[str, Mapping[str, Callable[[], Sink]]] = {
+    COMPLETIONS_PATH: {"prompt": _PieceTally}, EMBEDDINGS_PATH: {"input": _PieceTally}}
+
+
 def _text_or_list_bytes(body: Mapping[str, Any], key: str) -> int:
     """Bytes of a completions `prompt` / embeddings `input`: a string, or a list of strings, token
     ids and lists of them (a token id counts as TOKEN_ID_BYTES, what the blind estimate spends on
@@ -553,6 +577,8 @@ def _text_or_list_bytes(body: Mapping[str, Any], key: str) -> int:
     value = body.get(key)
     if isinstance(value, str):
         return _utf8_len(value)
+    if isinstance(value, _PieceTally):  # a large body's list, tallied while it was parsed
+        return value.prompt_bytes
     if not isinstance(value, list):
         raise bad_request(f"'{key}' must be a string or a list")
     return sum(_piece_bytes(item) for item in value)
@@ -579,7 +605,8 @@ def _common_fields(body: Mapping[str, Any], default_model: str) -> tuple[str, bo
     return model, stream, options.get("include_usage") is True
 
 
-def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int, fp_key: bytes) -> BodyPeek:
+def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int, fp_key: bytes,
+              piecewise: bool = False) -> BodyPeek:
     """The fields crossbar needs from a complete request body; the fingerprint is keyed with
     `fp_key`. `prompt_bytes` counts what becomes prompt tokens: message texts and roles, tool
     calls and tool definitions for a chat; strings, and TOKEN_ID_BYTES per literal token id, for
@@ -587,12 +614,13 @@ def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int, f
 
     Raises `CrossbarError` (413 over `max_body`, else 400) and nothing else, for any bytes.
     Bodies of non-completion paths (GET) are not parsed: they get the route's defaults.
+    `piecewise`: parsed a piece at a time (for a worker thread; see `_load_object`).
     """
     size = len(raw) if raw else 0
     if size > max_body:
         raise too_large(f"request body is {size} bytes; the limit (max_body) is {max_body} bytes")
     if raw and path == CHAT_PATH:  # the usual request, before the checks it would pass
-        body = _load_object(raw, _CHAT_SINKS)
+        body = _load_object(raw, _CHAT_SINKS, piecewise)
         model, stream, include_usage = _common_fields(body, default_model)
         tally = _chat_tally(body)
         fp = _digest(tally.system, tally.user, fp_key)
@@ -601,17 +629,24 @@ def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int, f
         return BodyPeek(default_model, False, False, "", 0, 0)
     if not raw:
         raise bad_request("request body must be a JSON object")
-    body = _load_object(raw)
+    body = _load_object(raw, _PROMPT_SINKS[path], piecewise)
     model, stream, include_usage = _common_fields(body, default_model)
     key = "prompt" if path == COMPLETIONS_PATH else "input"
     return BodyPeek(model, stream, include_usage, "", _text_or_list_bytes(body, key), 0)
 
 
+def off_loop(raw: bytes) -> bool:
+    """Whether peeking this body on the event loop would hold up every other stream: a large body,
+    or one of many values (see OFF_LOOP_VALUES)."""
+    return len(raw) >= OFF_LOOP_BYTES or (len(raw) >= COUNT_FROM and raw.count(b",") >= OFF_LOOP_VALUES)
+
+
 async def peek_body_off_loop(raw: bytes | None, path: str, default_model: str, max_body: int,
                              fp_key: bytes) -> BodyPeek:
-    """`peek_body`, in a worker thread when the body is large enough to hold up other streams."""
-    if raw is not None and OFF_LOOP_BYTES <= len(raw) <= max_body and path in COMPLETION_PATHS:
-        return await asyncio.to_thread(peek_body, raw, path, default_model, max_body, fp_key)
+    """`peek_body`, in a worker thread and a piece at a time when the body would hold up other
+    streams (`off_loop`)."""
+    if raw is not None and len(raw) <= max_body and path in COMPLETION_PATHS and off_loop(raw):
+        return await asyncio.to_thread(peek_body, raw, path, default_model, max_body, fp_key, True)
     return peek_body(raw, path, default_model, max_body, fp_key)
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -18,6 +19,7 @@ from crossbar.jsonread import UNREAD
 from crossbar.request import (
     ALLOWED,
     COMPLETION_PATHS,
+    COUNT_FROM,
     MODEL_MAX,
     OFF_LOOP_BYTES,
     BodyPeek,
@@ -29,7 +31,9 @@ from crossbar.request import (
     check_model,
     fingerprint,
     match_route,
+    off_loop,
     peek_body,
+    peek_body_off_loop,
     resolve,
     resolve_listener,
     template_matches,
@@ -881,3 +885,44 @@ def test_a_fingerprint_is_the_documented_hmac_under_each_key(key: bytes) -> None
         expected.update(b"user:%d:" % len(user.encode()) + user.encode())
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         assert fingerprint(messages, key) == expected.hexdigest()
+
+
+def tiny_values_body(size: int) -> bytes:
+    """A completion whose prompt is a list of empty token lists, `size` bytes long."""
+    prefix, suffix = b'{"model":"m","prompt":[', b"[]]}"
+    return prefix + b"[]," * ((size - len(prefix) - len(suffix)) // 3) + suffix
+
+
+def test_a_small_body_of_many_values_is_peeked_off_the_loop_and_a_piece_at_a_time() -> None:
+    """Under 2 MiB a body was parsed on the event loop by size alone: one of 700k tiny values held
+    it 0.3-0.5 s. The values are told by the commas; such a body goes to the piecewise reading."""
+    many = tiny_values_body(OFF_LOOP_BYTES - 1)
+    assert off_loop(many)
+    assert not off_loop(b"[]," * (COUNT_FROM // 3 - 1))  # a small body is not counted
+    prose = json.dumps({"messages": [{"role": "user", "content": "words, " * 10_000}]}).encode()
+    assert not off_loop(prose)  # 10,000 commas inside a text: parsed on the loop, as before
+    with mock.patch("crossbar.jsonread.loads", side_effect=AssertionError("parsed in one call")):
+        peek = peek_body(many, "/v1/completions", "m", 32 << 20, b"k" * 32, piecewise=True)
+    assert peek.model == "m" and peek.prompt_bytes == 0  # empty token lists
+
+
+async def test_peeking_a_small_body_of_many_values_does_not_hold_the_event_loop() -> None:
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+    done = False
+
+    async def tick() -> None:
+        last = loop.time()
+        while not done:
+            await asyncio.sleep(0.002)
+            gaps.append(loop.time() - last)
+            last = loop.time()
+
+    ticker = asyncio.ensure_future(tick())
+    await asyncio.sleep(0.02)
+    peek = await peek_body_off_loop(tiny_values_body(OFF_LOOP_BYTES - 1), "/v1/completions", "m",
+                                    32 << 20, b"k" * 32)
+    done = True
+    await ticker
+    assert peek.model == "m"
+    assert max(gaps) < 0.1, f"the event loop stalled {max(gaps) * 1000:.0f} ms"  # it was 300-500 ms

@@ -76,7 +76,7 @@ class Route:
             return Exchange(route=route, key=Key(route.name, "", model), path=resolved.upstream_path,
                             completion=False)
         raw = r.raw_content
-        if raw is not None and len(raw) >= req.OFF_LOOP_BYTES:  # perhaps peeked in a worker thread
+        if raw is not None and len(raw) >= req.COUNT_FROM:  # perhaps peeked in a worker thread
             peek = await req.peek_body_off_loop(raw, resolved.path, route.default_model, cfg.max_body,
                                                 self.rt.fp_key)
         else:  # peeked here, without a coroutine of its own
