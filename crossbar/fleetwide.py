@@ -95,20 +95,23 @@ class Fleetwide:
             row = await self.shared.find_lease(key.route, key.fp, key.model)
         except SharedUnavailable:
             return
-        if row is not None and not self.leases.has(key):
+        if row is not None and not self.leases.has(key) and self.placeable(key.route, row.host):
             self.leases.adopt(key, row.host, float(row.created), float(row.last_used))
 
     async def claim(self, key: Key, host: str) -> str:
         """Place a new conversation on `host` unless another instance holds it: the host it is on
-        (the winner is adopted). `host` itself when the database does not answer."""
+        (the winner is adopted). `host` itself when the database does not answer, or when the
+        winner is a host this configuration does not give the route (this placement's lease is
+        written over it)."""
         now = self.clock()
         try:
             winner = await self.shared.claim_lease(key.route, key.fp, key.model, host, now,
                                                    idle_before=now - self.leases.idle)
         except SharedUnavailable:
             return host
-        if winner != host:
-            self.leases.adopt(key, winner, now, now)
+        if winner == host or not self.placeable(key.route, winner):
+            return host
+        self.leases.adopt(key, winner, now, now)
         return winner
 
     def lease_event(self, event: LeaseEvent) -> None:
@@ -126,6 +129,7 @@ class Fleetwide:
         self.store.publish(Change("release", route))
 
     def drained(self, host: str, draining: bool) -> None:
+        (self.drained_hosts.add if draining else self.drained_hosts.discard)(host)
         self.store.save_drain(host, draining, self.clock())
         self.store.publish(Change("drain" if draining else "undrain", host=host))
 

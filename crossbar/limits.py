@@ -484,9 +484,17 @@ class ClientReader:
         self._timer: asyncio.TimerHandle | None = None
         self._reading: asyncio.Task[Any] | None = None  # the task waiting in `_read`, if any
         self._expired = False  # the timer cancelled that read
+        self._next_limits: LimitSettings | None = None  # a reload's, for the next request
 
     def take(self, limits: LimitSettings) -> None:
-        """New limits, from the next request on."""
+        """New limits, from the next request on (one under way keeps those it began with)."""
+        self._next_limits = limits
+        if self.framer.state == HEAD and not self.framer.head_started:
+            self._adopt_limits()
+
+    def _adopt_limits(self) -> None:
+        limits, self._next_limits = self._next_limits, None
+        assert limits is not None
         self.framer.max_head, self.framer.max_body = limits.max_head, limits.max_body
         self.head_timeout, self.idle_timeout = limits.head_timeout, limits.idle_timeout
         self.body_timeout = limits.body_timeout
@@ -512,6 +520,8 @@ class ClientReader:
                 self._disarm()
                 return b""
             heads_before, head_was_started = self.framer.heads, self.framer.head_started
+            if self._next_limits is not None and self.framer.state == HEAD and not head_was_started:
+                self._adopt_limits()  # a reload's: this read begins a request
             out, refusal = self.framer.feed(data)
             self._track_deadline(heads_before, head_was_started)
             if refusal is not None:

@@ -7,6 +7,7 @@ can, changes nothing and answers the one-line error start-up gives."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -518,3 +519,38 @@ async def test_reloaded_limits_reach_connections_kept_open_across_the_reload(tmp
             assert status == 431 and b"max_head" in body, body[:300]
         finally:
             writer.close()
+
+
+async def test_a_reload_leaves_the_limits_of_a_request_under_way_alone(tmp_path: Path) -> None:
+    async with served(tmp_path, {"alpha": spec()}, max_head="16KiB") as (setup, proxy):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        try:
+            request = chat_bytes(10, X_Pad="y" * 6000)
+            head_end = request.index(b"\r\n\r\n")
+            writer.write(request[:head_end - 10])  # most of the head: the request has begun
+            await writer.drain()
+            await asyncio.sleep(0.3)
+            setup.write({"alpha": spec()}, max_head="4KiB")
+            status, answer = await reload(proxy)
+            assert status == 200 and "max_head" in answer["changed"], answer
+            status, _, body = await send_on(reader, writer, request[head_end - 10:])
+            assert status == 200, (status, body[:300])
+            status, _, body = await send_on(reader, writer, request)  # the next one: the new limit
+            assert status == 431, (status, body[:300])
+        finally:
+            writer.close()
+
+
+def test_a_sighup_while_crossbar_stops_is_ignored(tmp_path: Path) -> None:
+    """The event loop gave SIGHUP back its default action when it closed: a `systemctl reload`
+    during a stop ended the process by the signal (exit -1, not 0)."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    config = write_config(tmp_path / "crossbar.toml", {"alpha": (nobody, spec())},
+                          {"r": {"hosts": ["alpha"], "default_model": "m"}})
+    proc = start_mitmdump(config)
+    proc.proc.send_signal(signal.SIGTERM)
+    while proc.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.002)
+    assert proc.proc.wait() == 0, "".join(proc.output)[-1500:]

@@ -166,3 +166,45 @@ async def test_a_resync_leaves_out_leases_and_pins_on_hosts_the_route_no_longer_
     finally:
         here.store.close()
         other.store.close()
+
+
+@pytest.mark.parametrize("drain_here", [True, False])
+def test_a_drain_made_here_decides_a_host_a_reload_adds_back(pg_url: str, drain_here: bool) -> None:
+    """This instance's own drain or undrain (never announced back to it) decides too: a host taken
+    out and put back by reloads keeps what the database says of it."""
+    other = Router(parse_config(pg_raw(pg_url)))
+    other.open()
+    other.set_draining("beta", not drain_here)  # the state this instance then changes
+    assert other.store.flush()
+    here = Router(parse_config(pg_raw(pg_url)))
+    here.open()
+    try:
+        here.set_draining("beta", drain_here)
+        assert here.store.flush()
+        assert here.store.drained_hosts() == ({"beta"} if drain_here else set())
+        reconfigure(here, pg_raw(pg_url, hosts=("alpha",)))
+        reconfigure(here, pg_raw(pg_url))
+        assert here.fleet.draining("beta") is drain_here
+    finally:
+        here.store.close()
+        other.store.close()
+
+
+async def test_a_shared_lease_on_a_host_the_route_no_longer_lists_is_not_adopted(pg_url: str) -> None:
+    """A conversation's first turn here reads its shared lease (or loses the claim to another
+    instance): one on a host this configuration took from the route is placed here anew."""
+    other = Router(parse_config(pg_raw(pg_url)))
+    other.open()
+    here = Router(parse_config(pg_raw(pg_url)))
+    here.open()
+    try:
+        reconfigure(here, pg_raw(pg_url, hosts=("alpha",)))
+        assert other.store.shared is not None and here.fleetwide is not None
+        await other.store.shared.claim_lease("r", "fp", "m", "beta", time.time())
+        await here.fleetwide.adopt_shared(Key("r", "fp", "m"))
+        assert here.leases.snapshot() == []
+        assert await here.fleetwide.claim(Key("r", "fp", "m"), "alpha") == "alpha"
+        assert here.leases.snapshot() == []  # the placement's own lease is applied by the router
+    finally:
+        here.store.close()
+        other.store.close()

@@ -12,6 +12,7 @@ shutdown cannot run from that path, and requests spanning it would lose their ro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -58,6 +59,20 @@ class Reload:
                 self._early_sighup = False
                 log.info("crossbar: a SIGHUP came while crossbar started")
                 self._on_sighup()
+
+    def done(self) -> None:
+        """From the stop on SIGHUP is ignored: a reload would be refused, and the event loop, once
+        closed, would give the signal back its default action (the end of the process) while
+        crossbar still writes its last rows. Blocked meanwhile, so that none lands in between."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing of it to remove
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
 
     def _on_sighup(self) -> None:
         log.info("crossbar: SIGHUP: reloading %s", ctx.options.crossbar_config)
