@@ -129,7 +129,10 @@ class Fleetwide:
         self.store.publish(Change("release", route))
 
     def drained(self, host: str, draining: bool) -> None:
-        (self.drained_hosts.add if draining else self.drained_hosts.discard)(host)
+        if draining:
+            self.drained_hosts.add(host)
+        else:
+            self.drained_hosts.discard(host)
         self.store.save_drain(host, draining, self.clock())
         self.store.publish(Change("drain" if draining else "undrain", host=host))
 
