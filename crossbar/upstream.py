@@ -103,8 +103,10 @@ async def resend(
     max_answer: int,
 ) -> tuple[int, list[tuple[str, str]], bytes]:
     """Send the request again to another host and read the whole answer, at most `max_answer`
-    bytes of it as received (else AnswerTooLarge)."""
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=first_byte_timeout)
+    bytes of it as received (else AnswerTooLarge), all of it within `first_byte_timeout` (the
+    client gets none of it before it is whole; else TimeoutError), the connection within
+    `connect_timeout`."""
+    timeout = aiohttp.ClientTimeout(total=first_byte_timeout, sock_connect=connect_timeout)
     async with session.request(
         method, url, headers=headers, data=body, timeout=timeout, auto_decompress=False
     ) as resp:

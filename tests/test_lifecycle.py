@@ -514,3 +514,22 @@ async def test_the_first_byte_timer_names_the_host_it_was_armed_for() -> None:
     ex.arm_deadline(deadlines, 0.05, fired.append)
     await asyncio.sleep(0.2)
     assert fired == ["b"]
+
+
+async def test_a_retried_answer_not_whole_within_first_byte_timeout_is_given_up(tmp_path: Path) -> None:
+    """A retried answer is buffered whole before the client gets a byte of it: a retry host that
+    trickled one (a token every 0.25 s) kept the client waiting past `first_byte_timeout` without
+    any bound (each read reset the timer)."""
+    specs = {"a": spec(weight=2, fail_status=500, fail_times=1), "b": spec(token_ms=250)}
+    async with sim_fleet(specs) as fleet:
+        cfg = write_config(tmp_path / "c.toml", {n: (fleet[n].url, s) for n, s in specs.items()},
+                           {"r": {"hosts": ["a", "b"], "default_model": "m"}}, first_byte_timeout="1s")
+        async with crossbar_proxy(cfg) as proxy:
+            started = time.monotonic()
+            status, _, body = await post(proxy.url + CHAT, turn("s", 0, max_tokens=16, stream=True))
+            waited = time.monotonic() - started
+            (row,) = await request_rows(proxy)
+    assert waited < 3, f"the client waited {waited:.1f}s (first_byte_timeout 1s)"
+    assert status == 500 and b"simulated failure" in body  # a's own answer, once b's second had passed
+    assert (row.host, row.status) == ("a", 500), row
+    assert row.err == "retry on b failed: no complete answer within 1s (first_byte_timeout)", row.err

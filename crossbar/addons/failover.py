@@ -250,8 +250,10 @@ class Failover:
             ex.ttfb_ms = ex.elapsed_ms()
             return True
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            router.passive_mark(ex.host, f"retry failed: {exc}")
-            ex.err = f"retry on {ex.host} failed: {exc}"
+            limit = router.cfg.first_byte_timeout
+            why = str(exc) or f"no complete answer within {limit:g}s (first_byte_timeout)"
+            router.passive_mark(ex.host, f"retry failed: {why}")
+            ex.err = f"retry on {ex.host} failed: {why}"
             return False
         if new_status in PASSIVE_DOWN_STATUSES:
             router.passive_mark(ex.host, f"answered {new_status}")
