@@ -389,7 +389,8 @@ class Router:
         return stay(ask, view, home, time.time(), self.cfg.lease_idle)
 
     def _settle(self, ex: Exchange, placed: Placement) -> None:
-        self.leases.apply(ex.key, placed.change, time.time())
+        if not self._reloaded or self._candidate(ex, placed.host):
+            self.leases.apply(ex.key, placed.change, time.time())
         ex.host, ex.decision = placed.host, placed.decision
         if placed.decision == Decision.CONTEXT:
             self._context_moved(ex, placed)
@@ -590,8 +591,14 @@ class Router:
         if not ex.completion:
             return
         lease = self.leases.view(ex.key)
-        if lease.host == placed.change.from_host and lease.pin in ("", placed.host):
+        if (lease.host == placed.change.from_host and lease.pin in ("", placed.host)
+                and self._candidate(ex, placed.host)):
             self.leases.apply(ex.key, placed.change, time.time())
+
+    def _candidate(self, ex: Exchange, host: str) -> bool:
+        """The host is still one of the request's route's: a placement made before a reload that
+        took it away runs the request there, but leaves the conversation's lease alone."""
+        return host in ex.route.hosts and host in self.cfg.hosts
 
     def sent(self, ex: Exchange) -> None:
         """The request goes upstream to its host now (again, after a move): it counts as running

@@ -36,6 +36,7 @@ from harness import (
     write_config,
 )
 from test_hostile_limits import raw_upstream
+from test_reload import reload
 
 from llamasim import SimConfig
 
@@ -533,3 +534,52 @@ async def test_a_retried_answer_not_whole_within_first_byte_timeout_is_given_up(
     assert status == 500 and b"simulated failure" in body  # a's own answer, once b's second had passed
     assert (row.host, row.status) == ("a", 500), row
     assert row.err == "retry on b failed: no complete answer within 1s (first_byte_timeout)", row.err
+
+
+async def leased_hosts(proxy: Any) -> set[str]:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(proxy.url + "/_crossbar/routes") as resp:
+        return set((await resp.json())["r"]["hosts_leases"])
+
+
+async def test_a_retry_onto_a_host_a_reload_removed_leaves_the_lease_alone(tmp_path: Path) -> None:
+    """A reload drops the leases on the hosts it removes; a retry running on such a host when
+    the reload came moved the lease there afterwards (a lease on a host that no longer exists)."""
+    specs = {"a": spec(weight=2, fail_status=500, fail_times=1), "b": spec(token_ms=100)}
+    async with sim_fleet(specs) as fleet:
+        path = tmp_path / "crossbar.toml"
+        both = {n: (fleet[n].url, s) for n, s in specs.items()}
+        cfg = write_config(path, both, {"r": {"hosts": ["a", "b"], "default_model": "m"}})
+        async with crossbar_proxy(cfg) as proxy:
+            first = asyncio.create_task(post(proxy.url + CHAT, turn("s", 0, max_tokens=20)))  # b: ~2 s
+            await wait_until(lambda: proxy.router.in_flight("b", "m") == 1, 10, what="the retry on b")
+            write_config(path, {"a": both["a"]}, {"r": {"hosts": ["a"], "default_model": "m"}})
+            status, answer = await reload(proxy)
+            assert status == 200, answer
+            got, headers, _ = await first
+            assert got == 200 and headers.get("X-Crossbar-Retried") == "1"  # b's answer, as it ran there
+            assert await leased_hosts(proxy) <= {"a"}
+
+
+async def test_a_failover_queued_on_a_host_a_reload_removes_leaves_the_lease_alone(tmp_path: Path) -> None:
+    specs = {"a": spec(), "b": spec(weight=2, token_ms=100)}
+    async with sim_fleet(specs) as fleet:
+        path = tmp_path / "crossbar.toml"
+        both = {n: (fleet[n].url, s) for n, s in specs.items()}
+        cfg = write_config(path, both, {"r": {"hosts": ["a", "b"], "default_model": "m"}},
+                           poll_interval="30s")
+        async with crossbar_proxy(cfg) as proxy:
+            busy = asyncio.create_task(post(proxy.url + CHAT, turn("busy", 0, max_tokens=25)))  # b, ~2.5 s
+            await wait_until(lambda: proxy.router.in_flight("b", "m") == 1, 10, what="b busy")
+            assert (await post(proxy.url + CHAT, turn("s", 0, max_tokens=1)))[0] == 200  # b full: on a
+            fleet["a"].set(refuse=True)
+            second = asyncio.create_task(post(proxy.url + CHAT, turn("s", 1, max_tokens=1)))
+            await wait_until(lambda: proxy.router.queued("b", "m") == 1, 10, what="s queued on b")
+            write_config(path, {"a": both["a"]}, {"r": {"hosts": ["a"], "default_model": "m"}},
+                         poll_interval="30s")
+            status, answer = await reload(proxy)
+            assert status == 200, answer
+            await busy
+            got, _, _ = await second
+            rows = await request_rows(proxy)
+            assert got == 200 and rows[-1].host == "b"  # it finished on the host it queued for
+            assert "b" not in await leased_hosts(proxy)
