@@ -317,15 +317,16 @@ class Router:
                 return plain
         return result
 
-    async def place(self, ex: Exchange, why: Reason = Reason.UNHEALTHY) -> Placement:
+    async def place(self, ex: Exchange, why: Reason = Reason.UNHEALTHY,
+                    gone: asyncio.Event | None = None) -> Placement:
         """Run placement; when it names hosts worth waking, wake them and run it again. A refusal
-        is raised as the client's answer."""
+        is raised as the client's answer; `ClientGone` when the client leaves during a wake."""
         if self.fleetwide is not None and ex.completion:
             await self.fleetwide.adopt_shared(ex.key)
         result = self._place_once(ex, why)
         woke: list[str] = []
         if isinstance(result, Refusal) and result.wake:
-            woke = await self.waker.wake(list(result.wake))
+            woke = await self._wake(ex, list(result.wake), gone)
             if woke:
                 result = self._place_once(ex, why)
         if isinstance(result, Refusal):
@@ -334,6 +335,23 @@ class Router:
         if result.loads_model:
             log.warning("no host has %r loaded; placing it on %s, which will load it", ex.model, result.host)
         return result
+
+    async def _wake(self, ex: Exchange, names: list[str], gone: asyncio.Event | None) -> list[str]:
+        """`Waker.wake`, left when the client leaves (the wake goes on for the other requests)."""
+        waking = asyncio.ensure_future(self.waker.wake(names))
+        left = asyncio.ensure_future(gone.wait()) if gone is not None else None
+        try:
+            await asyncio.wait([f for f in (waking, left) if f is not None],
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if left is not None:
+                left.cancel()
+            if not waking.done():  # the client left (or this request was cancelled)
+                waking.cancel()
+                ex.err = "client left while a host woke"
+        if not waking.done():
+            raise ClientGone()
+        return waking.result()
 
     async def _claimed(self, ex: Exchange, placed: Placement, why: Reason) -> Placement:
         """A conversation placed anew is claimed in the shared lease table; when another instance
@@ -364,7 +382,7 @@ class Router:
         down while the request waits, or is found unusable once the slot is granted, sends the
         request on (the lease moves only once the new host's slot is held)."""
         placed = self._stays(ex)
-        self._settle(ex, placed if placed is not None else await self.place(ex))
+        self._settle(ex, placed if placed is not None else await self.place(ex, gone=gone))
         await self._slot_until_usable(ex, gone)
 
     def _stays(self, ex: Exchange) -> Placement | None:
@@ -435,7 +453,7 @@ class Router:
                 ex.drop_slot()
             log.warning("%s went down while %s/%s waited for it; placing it again", ex.host,
                         ex.key.route, ex.model)
-            placed, yielding = await self.place(ex), False
+            placed, yielding = await self.place(ex, gone=gone), False
         raise errors.no_healthy_host([], self._poll_wait())
 
     async def take_slot(self, ex: Exchange, gone: asyncio.Event | None) -> None:
@@ -572,7 +590,7 @@ class Router:
         failed = ex.host
         ex.excluded.add(failed)
         ex.drop_slot()
-        placed = await self.place(ex, why=reason)
+        placed = await self.place(ex, why=reason, gone=gone)
         if ex.completion:
             try:
                 await self._take_then_settle(ex, placed, gone, settle)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gzip
 import json
 import random
@@ -583,3 +584,29 @@ async def test_a_failover_queued_on_a_host_a_reload_removes_leaves_the_lease_alo
             rows = await request_rows(proxy)
             assert got == 200 and rows[-1].host == "b"  # it finished on the host it queued for
             assert "b" not in await leased_hosts(proxy)
+
+
+async def test_a_client_that_leaves_while_its_host_wakes_ends_at_once(tmp_path: Path) -> None:
+    """The request outlived its client for the whole wake `wait`, then was written as a 503 no
+    one received and counted as a `no_host` refusal."""
+    async with sim_fleet({"a": spec(refuse=True)}) as fleet:
+        cfg = write_config(tmp_path / "crossbar.toml", {"a": (fleet["a"].url, spec())},
+                           {"r": {"hosts": ["a"], "default_model": "m"}})
+        cfg.write_text(cfg.read_text().replace(
+            '[hosts."a"]\n',
+            '[hosts."a"]\nwake = { mac = "aa:bb:cc:dd:ee:ff", broadcast = "127.0.0.1:9", wait = "4s" }\n'))
+        async with crossbar_proxy(cfg) as proxy:
+            await wait_until(lambda: not proxy.router.fleet.healthy("a"), 5, what="a down")
+            started = time.monotonic()
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s, \
+                        s.post(proxy.url + CHAT, json=turn("s", 0, max_tokens=1)) as resp:
+                    await resp.read()
+            await wait_until(lambda: proxy.router.waker.sent >= 1, 2, what="the wake packet")
+            await wait_until(lambda: not proxy.router.live, 10, what="the request to end")
+            ended_after = time.monotonic() - started
+            (row,) = await request_rows(proxy)
+            _, samples = await scrape(proxy.url)
+    assert ended_after < 2, f"the request outlived its client by {ended_after - 0.5:.1f}s"
+    assert row.err == "client left while a host woke", (row.status, row.err)
+    assert summed(samples, "crossbar_rejected_total", reason="no_host") == 0
