@@ -29,7 +29,7 @@ from crossbar.guard import TokenEstimator, fits, overflow
 from crossbar.hosts import Fleet, Poller, PollResult
 from crossbar.learn import BusyMeter, RateLearner
 from crossbar.lease import Key, LeaseEvent, LeaseTable
-from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull, Ticket
+from crossbar.limiter import ClientGone, HostDown, Limiter, QueueFull, Ticket, unless_gone
 from crossbar.metrics import CounterCollector, LiveCollector, Metrics, SlotRow
 from crossbar.placement import Ask, Change, Home, Placement, Refusal, Snapshot, place, stay
 from crossbar.reload import Change as ConfigChange
@@ -338,20 +338,11 @@ class Router:
 
     async def _wake(self, ex: Exchange, names: list[str], gone: asyncio.Event | None) -> list[str]:
         """`Waker.wake`, left when the client leaves (the wake goes on for the other requests)."""
-        waking = asyncio.ensure_future(self.waker.wake(names))
-        left = asyncio.ensure_future(gone.wait()) if gone is not None else None
         try:
-            await asyncio.wait([f for f in (waking, left) if f is not None],
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if left is not None:
-                left.cancel()
-            if not waking.done():  # the client left (or this request was cancelled)
-                waking.cancel()
-                ex.err = "client left while a host woke"
-        if not waking.done():
-            raise ClientGone()
-        return waking.result()
+            return await unless_gone(self.waker.wake(names), gone)
+        except ClientGone:
+            ex.err = "client left while a host woke"
+            raise
 
     async def _claimed(self, ex: Exchange, placed: Placement, why: Reason) -> Placement:
         """A conversation placed anew is claimed in the shared lease table; when another instance

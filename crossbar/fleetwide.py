@@ -29,7 +29,7 @@ from typing import Any
 from crossbar.decisions import Reason
 from crossbar.hosts import Fleet
 from crossbar.lease import Key, LeaseEvent, LeaseTable
-from crossbar.limiter import ClientGone
+from crossbar.limiter import unless_gone
 from crossbar.shared import SLOT_TTL, Change, SharedUnavailable
 from crossbar.store import Store
 from crossbar.writebehind import one_line
@@ -188,20 +188,8 @@ class Fleetwide:
         """One of the host's `parallel` slots across every instance: a token for `release`, "" when
         the database does not answer (the local slot alone holds), None when all stay taken for
         `wait` seconds; `ClientGone` when the client leaves meanwhile."""
-        acquire = asyncio.ensure_future(self.shared.acquire_slot(host, slot_key, parallel, wait=wait))
-        left = asyncio.ensure_future(gone.wait()) if gone is not None else None
-        try:
-            await asyncio.wait([f for f in (acquire, left) if f is not None],
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if left is not None:
-                left.cancel()
-            if not acquire.done():
-                acquire.cancel()  # a grant made meanwhile is never renewed: it lapses
-        if acquire.cancelled() or not acquire.done():
-            raise ClientGone()
-        try:
-            return acquire.result()
+        try:  # when the client leaves, a grant made meanwhile is never renewed: it lapses
+            return await unless_gone(self.shared.acquire_slot(host, slot_key, parallel, wait=wait), gone)
         except SharedUnavailable:
             return ""
 

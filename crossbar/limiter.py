@@ -11,7 +11,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 DEFAULT_HOLD_S = 10.0  # hold-time estimate before any request has finished
@@ -30,6 +30,22 @@ class QueueFull(Exception):
 
 class ClientGone(Exception):
     """The client disconnected while its request was waiting for a slot."""
+
+
+async def unless_gone[T](work: Awaitable[T], gone: asyncio.Event | None) -> T:
+    """What `work` gives, or `ClientGone` (and `work` cancelled) when the client leaves first."""
+    task = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(gone.wait()) if gone is not None else None
+    try:
+        await asyncio.wait([f for f in (task, left) if f is not None], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if left is not None:
+            left.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        raise ClientGone()
+    return task.result()
 
 
 class HostDown(Exception):

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from crossbar.limiter import ClientGone, Limiter, QueueFull, Ticket
+from crossbar.limiter import ClientGone, Limiter, QueueFull, Ticket, unless_gone
 
 H = "alpha"
 M = "ornith"
@@ -354,3 +354,29 @@ async def test_a_withdrawn_waiter_leaves_the_queue_with_the_given_reason() -> No
     await settle()
     assert r.admitted == ["behind"]  # the one behind moved up; nothing was granted twice
     assert r.limiter.withdraw(r.tickets["behind"], Moved()) is False  # granted already
+
+
+async def test_unless_gone_gives_the_work_or_cancels_it_when_the_client_leaves() -> None:
+    gone = asyncio.Event()
+    assert await unless_gone(asyncio.sleep(0, "done"), gone) == "done"
+    assert await unless_gone(asyncio.sleep(0, "done"), None) == "done"
+    started = asyncio.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    work = asyncio.ensure_future(forever())
+    waiting = asyncio.ensure_future(unless_gone(work, gone))
+    await started.wait()
+    gone.set()
+    with pytest.raises(ClientGone):
+        await waiting
+    await asyncio.sleep(0)
+    assert work.cancelled()
+    with pytest.raises(ValueError, match="own error"):  # the work's own failure, as it is
+        await unless_gone(_fails(), asyncio.Event())
+
+
+async def _fails() -> None:
+    raise ValueError("the work's own error")

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import aiohttp
@@ -24,7 +23,7 @@ from crossbar.app import Router
 from crossbar.decisions import Reason, Rejection
 from crossbar.errors import CrossbarError
 from crossbar.exchange import Exchange
-from crossbar.limiter import ClientGone
+from crossbar.limiter import ClientGone, unless_gone
 from crossbar.tap import SSETap
 from crossbar.upstream import AnswerTooLarge, forward_headers, point_at, preflight, resend
 
@@ -228,22 +227,16 @@ class Failover:
         ex.retried = True
         router.sent(ex)
         conf = router.host_conf(ex.host)
-        retry = asyncio.ensure_future(resend(
+        retry = resend(
             rt.session, flow.request.method, conf.base_url + ex.path,
             forward_headers(flow.request.headers.items()), flow.request.raw_content or b"",
             router.cfg.connect_timeout, router.cfg.first_byte_timeout, router.cfg.buffered_body_max,
-        ))
-        left = asyncio.ensure_future(rt.gone_event(flow).wait())
+        )
         try:
-            await asyncio.wait({retry, left}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            left.cancel()
-        if not retry.done():
-            retry.cancel()
+            new_status, answer_headers, body = await unless_gone(retry, rt.gone_event(flow))
+        except ClientGone:
             ex.err = "client left during the retry"
             return False
-        try:
-            new_status, answer_headers, body = retry.result()
         except AnswerTooLarge as exc:
             rt.answer(flow, CrossbarError(502, "bad_gateway", f"{exc} (2 x max_body + 1 MiB)",
                                           reason=Rejection.UPSTREAM_TOO_LARGE), ex)
