@@ -24,7 +24,7 @@ from crossbar.config import Config, HostConf, RouteConf
 from crossbar.deadlines import Deadlines
 from crossbar.decisions import Decision, Reason, Rejection
 from crossbar.exchange import Exchange
-from crossbar.fleetwide import FLEET_SLOT_WAIT, Fleetwide
+from crossbar.fleetwide import CLAIMED_MOVES, FLEET_SLOT_WAIT, Fleetwide
 from crossbar.guard import TokenEstimator, fits, overflow
 from crossbar.hosts import Fleet, Poller, PollResult
 from crossbar.learn import BusyMeter, RateLearner
@@ -345,12 +345,19 @@ class Router:
             raise
 
     async def _claimed(self, ex: Exchange, placed: Placement, why: Reason) -> Placement:
-        """A conversation placed anew is claimed in the shared lease table; when another instance
-        placed it first, placement runs again with that instance's lease."""
-        if self.fleetwide is None or not ex.completion or placed.change.kind not in (Change.CREATE,
-                                                                                       Change.RENEW):
+        """A conversation placed anew, or moved off its host for what it announces to the other
+        instances (a failure, its context), is claimed in the shared lease table; when another
+        instance placed or moved it first, placement runs again with that instance's lease."""
+        if self.fleetwide is None or not ex.completion:
             return placed
-        if await self.fleetwide.claim(ex.key, placed.host) == placed.host:
+        change = placed.change
+        if change.kind in (Change.CREATE, Change.RENEW):
+            winner = await self.fleetwide.claim(ex.key, placed.host)
+        elif change.kind == Change.MOVE and change.reason in CLAIMED_MOVES and change.from_host:
+            winner = await self.fleetwide.claim_move(ex.key, change.from_host, placed.host)
+        else:
+            return placed
+        if winner == placed.host:
             return placed
         again = self._place_once(ex, why)
         return placed if isinstance(again, Refusal) else again

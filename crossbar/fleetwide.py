@@ -3,9 +3,9 @@
 The router calls it at four points, and only when the database is PostgreSQL:
 
 - around placement: a conversation this instance does not hold is looked up in the shared lease
-  table first (`adopt_shared`); a new conversation is claimed with an upsert (`claim`), and when
-  another instance won, the winner's host is adopted and placement runs again. A conversation
-  already in memory costs no round trip.
+  table first (`adopt_shared`); a new conversation is claimed with an upsert (`claim`), and so is
+  a move off a failed host (`claim_move`); when another instance won, the winner's host is adopted
+  and placement runs again. A turn that stays where its lease is costs no round trip.
 - after the local slot: one of the host's `parallel` slots across every instance (`fleet_slot`),
   given back in the request's one ending.
 - the change feed: leases created or moved, pins, releases and drains made here are published;
@@ -41,6 +41,8 @@ RESYNC_ATTEMPTS = 5
 FLEET_SLOT_WAIT = 30.0  # seconds a request that may queue waits for a slot held by another instance
 # lease events that place a conversation on a host the other instances should learn
 _PUBLISHED = frozenset({Reason.NEW, Reason.UNHEALTHY, Reason.RETRIED, Reason.CONTEXT})
+# moves the database decides between instances (`claim_move`): those announced
+CLAIMED_MOVES = _PUBLISHED - {Reason.NEW}
 
 
 class Fleetwide:
@@ -111,6 +113,22 @@ class Fleetwide:
             return host
         if winner == host or not self.placeable(key.route, winner):
             return host
+        self.leases.adopt(key, winner, now, now)
+        return winner
+
+    async def claim_move(self, key: Key, from_host: str, to_host: str) -> str:
+        """Move a conversation off `from_host` to `to_host` unless another instance moved it first:
+        the host it is on (that instance's choice is adopted). `to_host` itself when the database
+        does not answer, or when the other instance's choice is a host this configuration does not
+        give the route (this move's lease is written over it)."""
+        now = self.clock()
+        try:
+            winner = await self.shared.move_lease(key.route, key.fp, key.model, from_host, to_host, now,
+                                                  idle_before=now - self.leases.idle)
+        except SharedUnavailable:
+            return to_host
+        if winner == to_host or not self.placeable(key.route, winner):
+            return to_host
         self.leases.adopt(key, winner, now, now)
         return winner
 

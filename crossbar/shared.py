@@ -6,7 +6,8 @@ instance id when it starts.
 
 - Leases: `find_lease` reads the shared row of a conversation this instance does not hold;
   `claim_lease` places a new one with an upsert, so two instances placing the same new key at once
-  both get the one host that won.
+  both get the one host that won; `move_lease` moves one off a failed host only when the database
+  still names that host, so two instances moving it at once both get the one move that won.
 - Change feed: changes an instance makes (pins, releases, drains, lease moves) are published with
   `Store.publish`, in the same transaction as the write they describe, and delivered to every other
   instance's `subscribe` callbacks (PostgreSQL LISTEN/NOTIFY; nothing to deliver on SQLite, where
@@ -50,6 +51,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    or_,
     select,
     text,
     update,
@@ -253,27 +255,42 @@ class SharedState:
     ) -> str:
         """Place (route, fp, model) on `host` unless another instance holds it: the host it is on
         afterwards. A held lease idle since before `idle_before` is taken over."""
-        return await self._call(self._claim_lease, route, fp, model, host, now, idle_before)
+        return await self._call(self._take_lease, route, fp, model, host, now, None, idle_before)
 
-    def _claim_lease(
-        self, route: str, fp: str, model: str, host: str, now: float, idle_before: float
+    async def move_lease(
+        self, route: str, fp: str, model: str, from_host: str, to_host: str, now: float,
+        idle_before: float = float("-inf"),
+    ) -> str:
+        """Move (route, fp, model) from `from_host` to `to_host` unless another instance moved it
+        first (the database names a host other than `from_host`): the host it is on afterwards. A
+        lease the database does not hold yet, or one idle since before `idle_before`, is taken."""
+        return await self._call(self._take_lease, route, fp, model, to_host, now, from_host, idle_before)
+
+    def _take_lease(
+        self, route: str, fp: str, model: str, host: str, now: float, from_host: str | None,
+        idle_before: float,
     ) -> str:
         with self._connect() as conn:
             insert = pg_insert(LEASES) if conn.dialect.name == "postgresql" else sqlite_insert(LEASES)
             stmt = insert.values(route=route, fp=fp, model=model, host=host, state="active",
                                  created=now, last_used=now)
-            idle = LEASES.c.last_used < bindparam("idle_before")
-            taken = stmt.on_conflict_do_update(
+            taken = LEASES.c.last_used < bindparam("idle_before")
+            if from_host is not None:
+                taken = or_(taken, LEASES.c.host == bindparam("from_host"))
+            upsert = stmt.on_conflict_do_update(
                 index_elements=["route", "fp", "model"],
                 set_={
-                    "host": case((idle, stmt.excluded.host), else_=LEASES.c.host),
-                    "created": case((idle, stmt.excluded.created), else_=LEASES.c.created),
+                    "host": case((taken, stmt.excluded.host), else_=LEASES.c.host),
+                    "state": case((taken, stmt.excluded.state), else_=LEASES.c.state),
+                    "created": case((taken, stmt.excluded.created), else_=LEASES.c.created),
                     "last_used": case((LEASES.c.last_used < stmt.excluded.last_used, stmt.excluded.last_used),
                                       else_=LEASES.c.last_used),
                 },
             ).returning(LEASES.c.host)
+            params = {"idle_before": idle_before} if from_host is None else {
+                "idle_before": idle_before, "from_host": from_host}
             with conn.begin():
-                return str(conn.execute(taken, {"idle_before": idle_before}).scalar_one())
+                return str(conn.execute(upsert, params).scalar_one())
 
     # -- fleet slots ----------------------------------------------------------------------------
 

@@ -67,6 +67,41 @@ async def test_a_miss_finds_the_lease_another_instance_placed(pair: Pair) -> Non
     assert await shared(b).claim_lease("r1", "fp1", "m1", "delta", T0 + 99, idle_before=T0 + 50) == "delta"
 
 
+async def test_two_instances_moving_conversations_off_one_host_at_once_agree(pair: Pair) -> None:
+    a, b = pair
+    keys = [("r1", f"fp{i}", "m1") for i in range(40)]
+    await asyncio.gather(*[shared(a).claim_lease(*k, "alpha", T0) for k in keys])
+    got_a, got_b = await asyncio.gather(
+        asyncio.gather(*[shared(a).move_lease(*k, "alpha", "beta", T0 + 1) for k in keys]),
+        asyncio.gather(*[shared(b).move_lease(*k, "alpha", "gamma", T0 + 1) for k in keys]),
+    )
+    assert got_a == got_b
+    assert set(got_a) <= {"beta", "gamma"}
+    stored = {(r.route, r.fp, r.model): (r.host, r.state) for r in a.leases()}
+    assert [stored[k] for k in keys] == [(host, "active") for host in got_a]
+
+
+@pytest.mark.parametrize(("row", "expected"), [
+    (None, "beta"),  # the database never heard of it: the move writes it
+    (("alpha", "active", T0), "beta"),  # still where the mover saw it
+    (("alpha", "pinned", T0), "beta"),
+    (("gamma", "active", T0), "gamma"),  # moved by another instance first
+    (("gamma", "active", T0 - 100), "beta"),  # idle there since before idle_before: taken over
+])
+async def test_a_move_is_taken_only_from_the_host_it_leaves(
+        pair: Pair, row: tuple[str, str, float] | None, expected: str) -> None:
+    a, b = pair
+    if row is not None:
+        host, state, last_used = row
+        a.save_lease("r1", "fp1", "m1", host, state, T0 - 200, last_used)
+        assert a.flush()
+    moved = await shared(b).move_lease("r1", "fp1", "m1", "alpha", "beta", T0 + 1, idle_before=T0 - 50)
+    assert moved == expected
+    (stored,) = a.leases()
+    assert stored.host == expected
+    assert stored.state == ("active" if expected == "beta" else row[1])
+
+
 async def test_claims_work_on_sqlite_too(tmp_path: Path) -> None:
     s = open_store(str(tmp_path / "one.db"))
     try:
@@ -74,6 +109,8 @@ async def test_claims_work_on_sqlite_too(tmp_path: Path) -> None:
         assert await shared(s).claim_lease("r1", "fp1", "m1", "beta", T0 + 1) == "alpha"
         row = await shared(s).find_lease("r1", "fp1", "m1")
         assert row is not None and (row.host, row.last_used) == ("alpha", T0 + 1)
+        assert await shared(s).move_lease("r1", "fp1", "m1", "gamma", "beta", T0 + 2) == "alpha"
+        assert await shared(s).move_lease("r1", "fp1", "m1", "alpha", "beta", T0 + 3) == "beta"
     finally:
         s.close()
 
