@@ -318,9 +318,11 @@ class Router:
         return result
 
     async def place(self, ex: Exchange, why: Reason = Reason.UNHEALTHY,
-                    gone: asyncio.Event | None = None) -> Placement:
+                    gone: asyncio.Event | None = None, claim_moves: bool = True) -> Placement:
         """Run placement; when it names hosts worth waking, wake them and run it again. A refusal
-        is raised as the client's answer; `ClientGone` when the client leaves during a wake."""
+        is raised as the client's answer; `ClientGone` when the client leaves during a wake. With
+        `claim_moves` False a move is claimed by the caller, once it happens (`_take_then_settle`,
+        `follow`)."""
         if self.fleetwide is not None and ex.completion:
             await self.fleetwide.adopt_shared(ex.key)
         result = self._place_once(ex, why)
@@ -331,7 +333,7 @@ class Router:
                 result = self._place_once(ex, why)
         if isinstance(result, Refusal):
             raise self._refused(ex, result, woke)
-        result = await self._claimed(ex, result, why)
+        result = await self._claimed(ex, result, why, claim_moves)
         if result.loads_model:
             log.warning("no host has %r loaded; placing it on %s, which will load it", ex.model, result.host)
         return result
@@ -344,23 +346,32 @@ class Router:
             ex.err = "client left while a host woke"
             raise
 
-    async def _claimed(self, ex: Exchange, placed: Placement, why: Reason) -> Placement:
-        """A conversation placed anew, or moved off its host for what it announces to the other
-        instances (a failure, its context), is claimed in the shared lease table; when another
-        instance placed or moved it first, placement runs again with that instance's lease."""
+    async def _claimed(self, ex: Exchange, placed: Placement, why: Reason, moves: bool) -> Placement:
+        """A conversation placed anew (or, with `moves`, moved off its host) is claimed in the
+        shared lease table; when another instance placed or moved it first, placement runs again
+        with that instance's lease."""
         if self.fleetwide is None or not ex.completion:
             return placed
-        change = placed.change
-        if change.kind in (Change.CREATE, Change.RENEW):
-            winner = await self.fleetwide.claim(ex.key, placed.host)
-        elif change.kind == Change.MOVE and change.reason in CLAIMED_MOVES and change.from_host:
-            winner = await self.fleetwide.claim_move(ex.key, change.from_host, placed.host)
+        if placed.change.kind in (Change.CREATE, Change.RENEW):
+            won = await self.fleetwide.claim(ex.key, placed.host) == placed.host
+        elif moves:
+            won = await self._move_stands(ex, placed)
         else:
             return placed
-        if winner == placed.host:
+        if won:
             return placed
         again = self._place_once(ex, why)
         return placed if isinstance(again, Refusal) else again
+
+    async def _move_stands(self, ex: Exchange, placed: Placement) -> bool:
+        """A move other instances hear of (off a failed host, or one the prompt outgrew) is claimed
+        in the shared lease table: False when another instance moved the conversation first (its
+        host is adopted here)."""
+        change = placed.change
+        if (self.fleetwide is None or not ex.completion or change.kind != Change.MOVE
+                or change.reason not in CLAIMED_MOVES or not change.from_host):
+            return True
+        return await self.fleetwide.claim_move(ex.key, change.from_host, placed.host) == placed.host
 
     def _refused(self, ex: Exchange, refusal: Refusal, woke: list[str]) -> errors.CrossbarError:
         match refusal.reason:
@@ -404,8 +415,10 @@ class Router:
                   excluded=frozenset(ex.excluded), yield_factor=self.yield_factor(ex.route))
         return stay(ask, view, home, time.time(), self.cfg.lease_idle)
 
-    def _settle(self, ex: Exchange, placed: Placement) -> None:
-        if not self._reloaded or self._candidate(ex, placed.host):
+    def _settle(self, ex: Exchange, placed: Placement, lease: bool = True) -> None:
+        """The request runs where it was placed; the lease change applies (unless `lease` is False:
+        another instance's move of the conversation won)."""
+        if lease and (not self._reloaded or self._candidate(ex, placed.host)):
             self.leases.apply(ex.key, placed.change, time.time())
         ex.host, ex.decision = placed.host, placed.decision
         if placed.decision == Decision.CONTEXT:
@@ -451,7 +464,7 @@ class Router:
                 ex.drop_slot()
             log.warning("%s went down while %s/%s waited for it; placing it again", ex.host,
                         ex.key.route, ex.model)
-            placed, yielding = await self.place(ex, gone=gone), False
+            placed, yielding = await self.place(ex, gone=gone, claim_moves=False), False
         raise errors.no_healthy_host([], self._poll_wait())
 
     async def take_slot(self, ex: Exchange, gone: asyncio.Event | None) -> None:
@@ -563,11 +576,14 @@ class Router:
         return result if isinstance(result, Placement) and result.decision == Decision.YIELD else None
 
     async def _take_then_settle(self, ex: Exchange, placed: Placement, gone: asyncio.Event | None,
-                                settle: bool = True) -> None:
-        """Take the slot on the placed host, then apply the lease change (unless `settle` is
-        False: the caller applies it later, `follow`). When no slot can be had (queue full,
-        client gone) nothing changes: the exchange keeps its host and the lease stays where it
-        was."""
+                                settle: bool = True, why: Reason = Reason.UNHEALTHY,
+                                claim: bool = True) -> Placement:
+        """Take the slot on the placed host, then claim a move and apply the lease change (unless
+        `settle` is False: the caller does, `follow`); the placement the request runs on. When
+        another instance moved the conversation first, the request follows it there if placement
+        agrees (else it runs where its slot is held, and the lease is that instance's). When no
+        slot can be had (queue full, client gone) nothing changes: the exchange keeps its host and
+        the lease stays where it was, in the shared lease table too."""
         failed = ex.host
         ex.host = placed.host
         try:
@@ -575,8 +591,17 @@ class Router:
         except (errors.CrossbarError, ClientGone, HostDown):
             ex.host = failed
             raise
-        if settle:
+        if not settle:
+            return placed
+        if not claim or await self._move_stands(ex, placed):
             self._settle(ex, placed)
+            return placed
+        again = self._place_once(ex, why)  # with the other instance's lease, adopted
+        if isinstance(again, Refusal) or again.host == placed.host:
+            self._settle(ex, placed, lease=False)
+            return placed
+        ex.drop_slot()
+        return await self._take_then_settle(ex, again, gone, settle, why, claim=False)
 
     async def move(self, ex: Exchange, why: str, gone: asyncio.Event | None,
                    reason: Reason = Reason.UNHEALTHY, settle: bool = True) -> Placement:
@@ -588,10 +613,10 @@ class Router:
         failed = ex.host
         ex.excluded.add(failed)
         ex.drop_slot()
-        placed = await self.place(ex, why=reason, gone=gone)
+        placed = await self.place(ex, why=reason, gone=gone, claim_moves=False)
         if ex.completion:
             try:
-                await self._take_then_settle(ex, placed, gone, settle)
+                placed = await self._take_then_settle(ex, placed, gone, settle, reason)
             except HostDown as exc:
                 raise errors.no_healthy_host([], self._poll_wait()) from exc
         else:
@@ -600,16 +625,20 @@ class Router:
         log.warning("%s on %s: moved %s/%s to %s", why, failed, ex.key.route, ex.model, ex.host)
         return placed
 
-    def follow(self, ex: Exchange, placed: Placement) -> None:
+    async def follow(self, ex: Exchange, placed: Placement) -> None:
         """The lease follows a move made with `settle` False, now that its host answered: only
-        when it is still where the move found it. Meanwhile another turn may have moved it (to
-        the same host, say), or an operator pinned or released its route: that stands."""
-        if not ex.completion:
+        when it is still where the move found it, and no other instance moved it first. Meanwhile
+        another turn may have moved it (to the same host, say), or an operator pinned or released
+        its route: that stands."""
+        if not ex.completion or not self._still_at_start(ex, placed):
             return
-        lease = self.leases.view(ex.key)
-        if (lease.host == placed.change.from_host and lease.pin in ("", placed.host)
-                and self._candidate(ex, placed.host)):
+        if await self._move_stands(ex, placed) and self._still_at_start(ex, placed):
             self.leases.apply(ex.key, placed.change, time.time())
+
+    def _still_at_start(self, ex: Exchange, placed: Placement) -> bool:
+        lease = self.leases.view(ex.key)
+        return (lease.host == placed.change.from_host and lease.pin in ("", placed.host)
+                and self._candidate(ex, placed.host))
 
     def _candidate(self, ex: Exchange, host: str) -> bool:
         """The host is still one of the request's route's: a placement made before a reload that

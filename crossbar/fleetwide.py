@@ -117,19 +117,24 @@ class Fleetwide:
         return winner
 
     async def claim_move(self, key: Key, from_host: str, to_host: str) -> str:
-        """Move a conversation off `from_host` to `to_host` unless another instance moved it first:
-        the host it is on (that instance's choice is adopted). `to_host` itself when the database
-        does not answer, or when the other instance's choice is a host this configuration does not
-        give the route (this move's lease is written over it)."""
-        now = self.clock()
+        """Move a conversation off `from_host` to `to_host` unless another instance moved it first
+        (the database names another host, written since the conversation came to `from_host`
+        here): then the host it is on, adopted and announced (an instance that missed that move
+        joins it). `to_host` itself when the database does not answer, or when the other
+        instance's choice is a host this configuration does not give the route (this move's lease
+        is written over it). An older row (a write of the conversation's host from before it came
+        to `from_host`) is moved too."""
+        now, since = self.clock(), self.leases.since(key)
         try:
-            winner = await self.shared.move_lease(key.route, key.fp, key.model, from_host, to_host, now,
-                                                  idle_before=now - self.leases.idle)
+            winner = await self.shared.move_lease(
+                key.route, key.fp, key.model, from_host, to_host, now, idle_before=now - self.leases.idle,
+                older_than=float("-inf") if since is None else since)
         except SharedUnavailable:
             return to_host
         if winner == to_host or not self.placeable(key.route, winner):
             return to_host
         self.leases.adopt(key, winner, now, now)
+        self.store.publish(Change("lease", key.route, key.fp, key.model, winner))
         return winner
 
     def lease_event(self, event: LeaseEvent) -> None:

@@ -158,6 +158,11 @@ class LeaseTable:
             idled=self._idled.get(key, ""),
         )
 
+    def since(self, key: Key) -> float | None:
+        """When the conversation came to the host its lease names here (None: no lease)."""
+        lease = self._leases.get(key)
+        return lease.created if lease else None
+
     def route_hosts(self, route: str, model: str) -> tuple[str, ...]:
         """Hosts the route's leases for `model` (any model when "") live on, most leases first."""
         counts = self._hosts_of.get((route, model or None))

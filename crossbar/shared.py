@@ -255,28 +255,33 @@ class SharedState:
     ) -> str:
         """Place (route, fp, model) on `host` unless another instance holds it: the host it is on
         afterwards. A held lease idle since before `idle_before` is taken over."""
-        return await self._call(self._take_lease, route, fp, model, host, now, None, idle_before)
+        return await self._call(self._take_lease, route, fp, model, host, now, idle_before, None)
 
     async def move_lease(
         self, route: str, fp: str, model: str, from_host: str, to_host: str, now: float,
-        idle_before: float = float("-inf"),
+        idle_before: float = float("-inf"), older_than: float = float("-inf"),
     ) -> str:
         """Move (route, fp, model) from `from_host` to `to_host` unless another instance moved it
-        first (the database names a host other than `from_host`): the host it is on afterwards. A
-        lease the database does not hold yet, or one idle since before `idle_before`, is taken."""
-        return await self._call(self._take_lease, route, fp, model, to_host, now, from_host, idle_before)
+        first (the database names a host other than `from_host`, placed there at `older_than` or
+        later): the host it is on afterwards. A lease the database does not hold yet, or one idle
+        since before `idle_before`, is taken too."""
+        return await self._call(self._take_lease, route, fp, model, to_host, now, idle_before,
+                                (from_host, older_than))
 
     def _take_lease(
-        self, route: str, fp: str, model: str, host: str, now: float, from_host: str | None,
-        idle_before: float,
+        self, route: str, fp: str, model: str, host: str, now: float, idle_before: float,
+        move: tuple[str, float] | None,
     ) -> str:
         with self._connect() as conn:
             insert = pg_insert(LEASES) if conn.dialect.name == "postgresql" else sqlite_insert(LEASES)
             stmt = insert.values(route=route, fp=fp, model=model, host=host, state="active",
                                  created=now, last_used=now)
+            params: dict[str, Any] = {"idle_before": idle_before}
             taken = LEASES.c.last_used < bindparam("idle_before")
-            if from_host is not None:
-                taken = or_(taken, LEASES.c.host == bindparam("from_host"))
+            if move is not None:
+                params["from_host"], params["older_than"] = move
+                taken = or_(taken, LEASES.c.host == bindparam("from_host"),
+                            LEASES.c.created < bindparam("older_than"))
             upsert = stmt.on_conflict_do_update(
                 index_elements=["route", "fp", "model"],
                 set_={
@@ -287,8 +292,6 @@ class SharedState:
                                       else_=LEASES.c.last_used),
                 },
             ).returning(LEASES.c.host)
-            params = {"idle_before": idle_before} if from_host is None else {
-                "idle_before": idle_before, "from_host": from_host}
             with conn.begin():
                 return str(conn.execute(upsert, params).scalar_one())
 

@@ -39,7 +39,7 @@ async def retried_to_b(r: Router) -> tuple[Exchange, Placement, list[tuple[str |
 async def test_the_lease_follows_an_answered_retry(tmp_path: Path) -> None:
     with router(tmp_path) as r:
         first, placed, events = await retried_to_b(r)
-        r.follow(first, placed)
+        await r.follow(first, placed)
         first.end()
         assert r.leases.view(TURN).host == "b"
     assert events == [(None, "a", "new"), ("a", "b", "unhealthy")]
@@ -61,6 +61,6 @@ async def test_what_happened_to_the_lease_during_the_retry_stands(tmp_path: Path
         else:
             r.release_route("r")
         before = list(events)
-        r.follow(first, placed)
+        await r.follow(first, placed)
         first.end()
         assert events == before  # following changed nothing more

@@ -213,7 +213,7 @@ class Failover:
             answered = await self._resend(flow, ex, router)
         finally:
             if answered:
-                router.follow(ex, placed)
+                await router.follow(ex, placed)
             else:
                 ex.host = first
                 if not self.rt.gone_event(flow).is_set():
