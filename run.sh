@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # crossbar launcher.
 #   ./run.sh [CONFIG]        run crossbar (CONFIG defaults to crossbar.toml, else example.toml)
-#   ./run.sh test [ARGS]     run the whole test suite (ARGS go to pytest)
+#   ./run.sh test [ARGS]     run the whole test suite (ARGS go to pytest); builds what the real
+#                            tiers need first when missing (the llama-server lab, OpenCode)
 #   ./run.sh demo            simulated llama-servers + crossbar on example.toml
 #   ./run.sh bench [ARGS]    the benchmarks (bench/bench.py)
 #   ./run.sh install         only create .venv and install the pinned dependencies
@@ -86,12 +87,62 @@ ensure_postgresql() {  # the PostgreSQL tests start a throwaway cluster (tests/p
   has_postgresql || install_for_tests postgresql "the PostgreSQL tests" CROSSBAR_PG_TESTS
 }
 
+tier_missing() {  # tier_missing VARIABLE WHY: a real tier cannot run; VARIABLE=1 makes that fatal
+  if [ "${!1:-}" = 1 ]; then
+    say "$2 ($1=1: the tier is required)"
+    exit 1
+  fi
+  say "$2; that tier will be skipped ($1=1 makes this a failure)"
+}
+
+lab_built() {  # lab_built DIR: the llama-server and the tiny models setup.sh makes
+  [ -x "$1/build/bin/llama-server" ] && [ -s "$1/models/tiny-a.gguf" ] && [ -e "$1/router-models/tiny-a.gguf" ]
+}
+
+ensure_llama_lab() {  # the real llama-server tier (tests/test_real.py) runs on the lab of ../shared
+  local lab=${CROSSBAR_LLAMA_LAB:-${XDG_CACHE_HOME:-$HOME/.cache}/crossbar-llama-lab}
+  local setup="$HERE/../shared/llama-lab/setup.sh" labpy
+  export CROSSBAR_LLAMA_LAB="$lab"
+  lab_built "$lab" && return 0
+  if [ ! -f "$setup" ]; then
+    tier_missing CROSSBAR_REAL_TESTS "no llama-server lab in $lab and no $setup beside the clone"
+    return 0
+  fi
+  # setup.sh runs `pip download`, `pip install numpy pyyaml` and `python3` (gguf-py): it gets a
+  # virtual environment of its own, because a distribution's python3 refuses `pip install`
+  # (PEP 668, Debian 12) or has no pip at all
+  labpy="$lab/.python"
+  mkdir -p "$lab"
+  if [ ! -x "$labpy/bin/pip" ]; then
+    rm -rf "$labpy"
+    "$VENV/bin/python" -m venv "$labpy"
+  fi
+  say "building the llama-server lab in $lab for the real tier (first time: about 6 minutes on 2 cores)"
+  PATH="$labpy/bin:$PATH" bash "$setup" "$lab" >&2 || tier_missing CROSSBAR_REAL_TESTS "the lab build failed"
+}
+
+ensure_opencode() {  # the real OpenCode tier (tests/test_opencode.py) runs OpenCode 1.18.33
+  local dir=${XDG_CACHE_HOME:-$HOME/.cache}/crossbar-opencode
+  if [ -n "${CROSSBAR_OPENCODE:-}" ]; then return 0; fi
+  export CROSSBAR_OPENCODE="$dir/node_modules/.bin/opencode"
+  [ -x "$CROSSBAR_OPENCODE" ] && return 0
+  if ! command -v npm >/dev/null 2>&1; then
+    tier_missing CROSSBAR_OPENCODE_TESTS "npm is not installed"
+    return 0
+  fi
+  say "installing OpenCode 1.18.33 in $dir for the real OpenCode tier (about 185 MB, once)"
+  npm install --prefix "$dir" --no-audit --no-fund --loglevel=error opencode-ai@1.18.33 >&2 \
+    || tier_missing CROSSBAR_OPENCODE_TESTS "could not install OpenCode"
+}
+
 case "${1:-}" in
   test)
     shift
     ensure_venv requirements-dev.txt
     ensure_chromium
     ensure_postgresql
+    ensure_llama_lab
+    ensure_opencode
     "$VENV/bin/python" -m pytest "$@"
     ;;
   demo)
@@ -113,7 +164,7 @@ case "${1:-}" in
     ensure_venv requirements.txt
     ;;
   -h|--help|help)
-    sed -n '2,8p' "$0"
+    sed -n '2,9p' "$0"
     ;;
   *)
     # SIGHUP reloads once crossbar has loaded; until then it is ignored rather than fatal (systemd

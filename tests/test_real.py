@@ -1,7 +1,9 @@
 """The real llama-server tier: crossbar in front of real llama.cpp b11312 processes.
 
 Needs the lab built by `../shared/llama-lab/setup.sh` (`CROSSBAR_LLAMA_LAB`, default
-`~/.cache/crossbar-llama-lab`); every test is skipped with the reason when it is missing. The
+`~/.cache/crossbar-llama-lab`; `./run.sh test` builds it when it is missing); every test is
+skipped with the reason when it is missing, or fails with CROSSBAR_REAL_TESTS=1 (as `.ci/run`
+sets). The
 servers run tiny random-weight models on loopback (one token per byte, never an EOS), so the whole
 tier takes well under two minutes. Every server started here is killed at teardown.
 """
@@ -135,13 +137,19 @@ def router_args() -> list[str]:
     return ["--models-dir", str(ROUTER_MODELS), "--models-max", "1", "-c", "4096", "-np", "2"]
 
 
+def _no_lab(reason: str) -> None:
+    if os.environ.get("CROSSBAR_REAL_TESTS") == "1":
+        pytest.fail(f"the real llama-server tier is required (CROSSBAR_REAL_TESTS=1): {reason}")
+    pytest.skip(f"{reason}: `./run.sh test` builds the lab (or run `bash ../shared/llama-lab/setup.sh`, "
+                "or set CROSSBAR_LLAMA_LAB)")
+
+
 @pytest.fixture(scope="session")
 def lab() -> Path:
     if not SERVER.is_file() or not os.access(SERVER, os.X_OK):
-        pytest.skip(f"no real llama-server at {SERVER}: run `bash ../shared/llama-lab/setup.sh` "
-                    "(or set CROSSBAR_LLAMA_LAB)")
+        _no_lab(f"no real llama-server at {SERVER}")
     if not MODEL_FILE.is_file() or not (ROUTER_MODELS / "tiny-a.gguf").exists():
-        pytest.skip(f"no tiny models under {LAB}: run `bash ../shared/llama-lab/setup.sh`")
+        _no_lab(f"no tiny models under {LAB}")
     return LAB
 
 
