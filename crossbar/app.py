@@ -607,23 +607,36 @@ class Router:
                    reason: Reason = Reason.UNHEALTHY, settle: bool = True) -> Placement:
         """The request's host failed it before anything reached the client: place it elsewhere
         and take a slot there; the lease follows only then (with `settle` False, only when the
-        caller says so, `follow`). Raises the client's answer (`CrossbarError`) when there is
-        nowhere to go, e.g. a pinned route whose host is down; the exchange then still names the
-        host that failed."""
+        caller says so, `follow`). A host that goes down while the request waits for it is left
+        out too, and the request placed again. Raises the client's answer (`CrossbarError`) when
+        there is nowhere to go, e.g. a pinned route whose host is down; the exchange then still
+        names the host that failed."""
         failed = ex.host
         ex.excluded.add(failed)
         ex.drop_slot()
         placed = await self.place(ex, why=reason, gone=gone, claim_moves=False)
         if ex.completion:
-            try:
-                placed = await self._take_then_settle(ex, placed, gone, settle, reason)
-            except HostDown as exc:
-                raise errors.no_healthy_host([], self._poll_wait()) from exc
+            placed = await self._slot_after_move(ex, placed, gone, settle, reason)
         else:
             ex.host = placed.host
         ex.decision = Decision.RETRIED
         log.warning("%s on %s: moved %s/%s to %s", why, failed, ex.key.route, ex.model, ex.host)
         return placed
+
+    async def _slot_after_move(self, ex: Exchange, placed: Placement, gone: asyncio.Event | None,
+                               settle: bool, reason: Reason) -> Placement:
+        """`_take_then_settle` on the host the move placed the request on; one that goes down
+        while the request waits for it is left out as well, and the request placed again."""
+        for attempt in range(len(ex.route.hosts)):  # each attempt leaves one more host out
+            if attempt:
+                placed = await self.place(ex, why=reason, gone=gone, claim_moves=False)
+            try:
+                return await self._take_then_settle(ex, placed, gone, settle, reason)
+            except HostDown:
+                log.warning("%s went down while %s/%s waited for it; placing it again", placed.host,
+                            ex.key.route, ex.model)
+                ex.excluded.add(placed.host)
+        raise errors.no_healthy_host([], self._poll_wait())
 
     async def follow(self, ex: Exchange, placed: Placement) -> None:
         """The lease follows a move made with `settle` False, now that its host answered: only

@@ -4,13 +4,18 @@ released the route) stands."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_yield_race import CHAT, TURN, router
+from test_yield_race import CHAT, TURN, busy, router
+from test_yield_race import settle as settle_loop
 
 from crossbar.app import Router
+from crossbar.config import parse_config
 from crossbar.decisions import Reason
 from crossbar.exchange import Exchange
 from crossbar.placement import Change, LeaseChange, Placement
@@ -64,3 +69,41 @@ async def test_what_happened_to_the_lease_during_the_retry_stands(tmp_path: Path
         await r.follow(first, placed)
         first.end()
         assert events == before  # following changed nothing more
+
+
+@contextlib.contextmanager
+def three_hosts(tmp_path: Path) -> Iterator[Router]:
+    r = Router(parse_config({
+        "listen": "127.0.0.1:7777", "db": str(tmp_path / "crossbar.db"), "queue_max": 2,
+        "hosts": {n: {"base_url": f"http://127.0.0.1:{18081 + i}", "models": {"m": {"parallel": 1}}}
+                  for i, n in enumerate(("a", "b", "c"))},
+        "routes": {"r": {"hosts": ["a", "b", "c"], "default_model": "m"}},
+    }))
+    try:
+        yield r
+    finally:
+        r.store.close()
+
+
+@pytest.mark.parametrize("settle", [True, False], ids=["failover", "retry"])
+async def test_a_move_queued_on_a_host_that_goes_down_is_placed_again(tmp_path: Path, settle: bool) -> None:
+    """A turn moved off its failed host waits in the queue of the host it moved to; that host goes
+    down too. Another host can take it: the turn goes there, it is not turned away with a 503."""
+    with three_hosts(tmp_path) as r:
+        r.leases.apply(TURN, LeaseChange(Change.CREATE, "a"), time.time())
+        ex = turn(r)
+        await r.lease(ex, None)
+        assert ex.host == "a"
+        b_held = await busy(r, "b")  # b runs another request: the turn will queue there
+        r.fleet.set_draining("c", True)  # c takes no new conversation for now
+        r.passive_mark("a", "connect failed")
+        moving = asyncio.ensure_future(r.move(ex, "connect failed", None, reason=Reason.UNHEALTHY,
+                                              settle=settle))
+        await settle_loop()
+        assert not moving.done() and r.queued("b", "m"), "the turn should wait in b's queue"
+        r.fleet.set_draining("c", False)
+        r.passive_mark("b", "connect failed")
+        placed = await asyncio.wait_for(moving, 5)
+        assert ex.host == placed.host == "c"
+        ex.end()
+        r.limiter.release(b_held)
