@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # crossbar launcher.
 #   ./run.sh [CONFIG]        run crossbar (CONFIG defaults to crossbar.toml, else example.toml)
-#   ./run.sh test [ARGS]     run the whole test suite (ARGS go to pytest); builds what the real
-#                            tiers need first when missing (the llama-server lab, OpenCode)
+#   ./run.sh test [ARGS]     run the test suite (ARGS go to pytest); first builds what the real
+#                            tiers it runs need, when missing (the llama-server lab, OpenCode)
 #   ./run.sh demo            simulated llama-servers + crossbar on example.toml
 #   ./run.sh bench [ARGS]    the benchmarks (bench/bench.py)
 #   ./run.sh install         only create .venv and install the pinned dependencies
@@ -96,7 +96,25 @@ tier_missing() {  # tier_missing VARIABLE WHY: a real tier cannot run; VARIABLE=
 }
 
 lab_built() {  # lab_built DIR: the llama-server and the tiny models setup.sh makes
-  [ -x "$1/build/bin/llama-server" ] && [ -s "$1/models/tiny-a.gguf" ] && [ -e "$1/router-models/tiny-a.gguf" ]
+  local model
+  [ -x "$1/build/bin/llama-server" ] || return 1
+  for model in tiny-a tiny-b; do
+    [ -s "$1/models/$model.gguf" ] && [ -e "$1/router-models/$model.gguf" ] || return 1
+  done
+}
+
+selects() {  # selects TIER_FILE [PYTEST ARGS]: the arguments run that test file (no test path
+  # given: the whole suite; or a directory, or that file, named)
+  local file=$1 arg target paths=0
+  shift
+  for arg in "$@"; do
+    target=${arg%%::*}
+    case "$arg" in -*) continue ;; esac
+    [ -e "$target" ] || continue  # an option's value (`-k expr`, `-m real`), not a path
+    paths=1
+    if [ -d "$target" ] || [ "$(basename "$target")" = "$file" ]; then return 0; fi
+  done
+  [ "$paths" = 0 ]
 }
 
 ensure_llama_lab() {  # the real llama-server tier (tests/test_real.py) runs on the lab of ../shared
@@ -141,8 +159,8 @@ case "${1:-}" in
     ensure_venv requirements-dev.txt
     ensure_chromium
     ensure_postgresql
-    ensure_llama_lab
-    ensure_opencode
+    if selects test_real.py "$@"; then ensure_llama_lab; fi
+    if selects test_opencode.py "$@"; then ensure_opencode; fi
     "$VENV/bin/python" -m pytest "$@"
     ;;
   demo)

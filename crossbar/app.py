@@ -582,12 +582,16 @@ class Router:
         `settle` is False: the caller does, `follow`); the placement the request runs on. When
         another instance moved the conversation first, the request follows it there if placement
         agrees (else it runs where its slot is held, and the lease is that instance's). When no
-        slot can be had (queue full, client gone) nothing changes: the exchange keeps its host and
-        the lease stays where it was, in the shared lease table too."""
+        slot can be had (queue full, client gone, `HostDown`: the host was marked down while the
+        request waited, or once the slot was granted) nothing changes: the exchange keeps its host
+        and the lease stays where it was, in the shared lease table too."""
         failed = ex.host
         ex.host = placed.host
         try:
             await self.take_slot(ex, gone)
+            if not self.usable(ex):  # marked down between the grant and this step
+                ex.drop_slot()
+                raise HostDown(placed.host)
         except (errors.CrossbarError, ClientGone, HostDown):
             ex.host = failed
             raise
@@ -601,6 +605,7 @@ class Router:
             self._settle(ex, placed, lease=False)
             return placed
         ex.drop_slot()
+        ex.host = failed  # what the exchange names should the second host fail it too
         return await self._take_then_settle(ex, again, gone, settle, why, claim=False)
 
     async def move(self, ex: Exchange, why: str, gone: asyncio.Event | None,
@@ -632,10 +637,10 @@ class Router:
                 placed = await self.place(ex, why=reason, gone=gone, claim_moves=False)
             try:
                 return await self._take_then_settle(ex, placed, gone, settle, reason)
-            except HostDown:
-                log.warning("%s went down while %s/%s waited for it; placing it again", placed.host,
-                            ex.key.route, ex.model)
-                ex.excluded.add(placed.host)
+            except HostDown as down:
+                log.warning("%s went down while %s/%s waited for it; placing it again",
+                            down.host or placed.host, ex.key.route, ex.model)
+                ex.excluded.add(down.host or placed.host)
         raise errors.no_healthy_host([], self._poll_wait())
 
     async def follow(self, ex: Exchange, placed: Placement) -> None:

@@ -51,6 +51,10 @@ async def unless_gone[T](work: Awaitable[T], gone: asyncio.Event | None) -> T:
 class HostDown(Exception):
     """The host was marked down while the request waited for one of its slots: place it again."""
 
+    def __init__(self, host: str = "") -> None:
+        super().__init__(host)
+        self.host = host  # the host that went down
+
 
 @dataclass(eq=False, slots=True)
 class Ticket:
@@ -169,7 +173,7 @@ class Limiter:
             while slot.waiters:
                 waiter = slot.waiters.popleft()
                 if not waiter.future.done():
-                    waiter.future.set_exception(HostDown())
+                    waiter.future.set_exception(HostDown(host))
                     moved += 1
         return moved
 

@@ -12,6 +12,7 @@ from contextlib import ExitStack
 import psycopg
 import pytest
 from test_reload_fleetwide import opened, pg_raw
+from test_yield_race import busy
 
 from crossbar.app import Router
 from crossbar.decisions import Reason
@@ -267,3 +268,49 @@ async def test_a_slow_database_during_simultaneous_moves_does_not_leave_them_swa
     deliver(published, one, other)
     got = await settled_hosts(one, other)
     assert got[0] == got[1], f"the conversation is split across instances: {got}"
+
+
+@pytest.fixture
+def two_one_slot(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Router, Router]]:
+    """Two instances, each host with one slot, announcing nothing."""
+    with ExitStack() as stack:
+        raw = pg_raw(pg_url, hosts=HOSTS)
+        for conf in raw["hosts"].values():
+            conf["models"] = {"m": {"parallel": 1}}
+        routers = [stack.enter_context(opened(raw)) for _ in range(2)]
+        for r in routers:
+            monkeypatch.setattr(r.store, "publish", lambda change: None)
+        yield routers[0], routers[1]
+
+
+async def test_a_move_that_follows_another_instance_and_finds_that_host_down_is_not_refused(
+        two_one_slot: tuple[Router, Router]) -> None:
+    """Instance two moves the turn off alpha to gamma; the database says one moved it to beta
+    first, so the turn follows to beta, where it queues; beta goes down. gamma is up: the turn
+    goes there, with beta (not gamma) left out."""
+    one, other = two_one_slot
+    now = time.time()
+    assert one.fleetwide is not None and one.store.shared is not None
+    assert await one.fleetwide.claim(K, "alpha") == "alpha"
+    one.leases.apply(K, LeaseChange(Placed.CREATE, "alpha"), now)
+    other.leases.adopt(K, "alpha", now, now)
+    await one.store.shared.move_lease("r", "fp", "m", "alpha", "beta", time.time())
+    ex = turn(other)
+    await other.lease(ex, None)
+    assert ex.host == "alpha"
+    beta_held = await busy(other, "beta")  # beta runs another request: the turn will queue there
+    other.passive_mark("alpha", "connect failed")
+    other.fleet.set_draining("beta", True)  # two itself would move the turn to gamma
+    moving = asyncio.ensure_future(other.move(ex, "connect failed", None, reason=Reason.UNHEALTHY))
+    for _ in range(300):
+        if other.queued("beta", "m") or moving.done():
+            break
+        await asyncio.sleep(0.01)
+    assert not moving.done() and other.queued("beta", "m"), "the turn should wait in beta's queue"
+    other.passive_mark("beta", "connect failed")
+    try:
+        await asyncio.wait_for(moving, 5)
+        assert ex.host == "gamma"
+    finally:
+        ex.end()
+        other.limiter.release(beta_held)

@@ -26,8 +26,9 @@ from llamasim import SimConfig
 
 pytestmark = pytest.mark.opencode
 
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")  # where ./run.sh test installs it
 OPENCODE = Path(os.environ.get("CROSSBAR_OPENCODE")
-                or Path.home() / ".cache" / "crossbar-opencode" / "node_modules" / ".bin" / "opencode")
+                or CACHE / "crossbar-opencode" / "node_modules" / ".bin" / "opencode")
 OFFLINE = {name: "1" for name in (
     "OPENCODE_DISABLE_MODELS_FETCH", "OPENCODE_DISABLE_AUTOUPDATE", "OPENCODE_DISABLE_DEFAULT_PLUGINS",
     "OPENCODE_DISABLE_LSP_DOWNLOAD", "OPENCODE_DISABLE_SHARE")}

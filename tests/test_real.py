@@ -43,7 +43,8 @@ from test_multi_pg import instances
 
 pytestmark = pytest.mark.real
 
-LAB = Path(os.environ.get("CROSSBAR_LLAMA_LAB") or Path.home() / ".cache" / "crossbar-llama-lab")
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")  # where ./run.sh test builds it
+LAB = Path(os.environ.get("CROSSBAR_LLAMA_LAB") or CACHE / "crossbar-llama-lab")
 SERVER = LAB / "build" / "bin" / "llama-server"
 MODEL_FILE = LAB / "models" / "tiny-a.gguf"
 ROUTER_MODELS = LAB / "router-models"

@@ -107,3 +107,29 @@ async def test_a_move_queued_on_a_host_that_goes_down_is_placed_again(tmp_path: 
         assert ex.host == placed.host == "c"
         ex.end()
         r.limiter.release(b_held)
+
+
+async def test_a_move_granted_a_slot_on_a_host_that_went_down_meanwhile_is_placed_again(
+        tmp_path: Path) -> None:
+    """The turn moved off a waits in b's queue; b's running request ends (its slot goes to the
+    turn) and b is marked down before the turn resumes (the limiter's eviction passes over a
+    waiter already granted): the turn must not run, nor its lease move, on b; c takes it."""
+    with three_hosts(tmp_path) as r:
+        r.leases.apply(TURN, LeaseChange(Change.CREATE, "a"), time.time())
+        ex = turn(r)
+        await r.lease(ex, None)
+        assert ex.host == "a"
+        b_held = await busy(r, "b")
+        r.fleet.set_draining("c", True)
+        r.passive_mark("a", "connect failed")
+        moving = asyncio.ensure_future(r.move(ex, "connect failed", None, reason=Reason.UNHEALTHY))
+        await settle_loop()
+        assert not moving.done() and r.queued("b", "m")
+        r.fleet.set_draining("c", False)
+        r.limiter.release(b_held)  # b's running request ends: its slot goes to the queued turn
+        r.passive_mark("b", "connect failed")  # ...and b is found down in the same tick
+        await asyncio.wait_for(moving, 5)
+        try:
+            assert r.fleet.healthy(ex.host), f"the moved turn runs on {ex.host}, which is down"
+        finally:
+            ex.end()
