@@ -105,12 +105,18 @@ lab_built() {  # lab_built DIR: the llama-server and the tiny models setup.sh ma
 
 selects() {  # selects TIER_FILE [PYTEST ARGS]: the arguments run that test file (no test path
   # given: the whole suite; or a directory, or that file, named)
-  local file=$1 arg target paths=0
+  local file=$1 arg target paths=0 value=0
   shift
   for arg in "$@"; do
+    if [ "$value" = 1 ]; then value=0; continue; fi  # the value of the option before it
+    case "$arg" in
+      -k|-m|-p|-c|-o|-r|-W|--ignore|--ignore-glob|--deselect|--junitxml|--junit-xml|--rootdir|\
+      --confcutdir|--basetemp|--override-ini|--log-file|--durations|--maxfail|--tb|--import-mode)
+        value=1; continue ;;
+      -*) continue ;;
+    esac
     target=${arg%%::*}
-    case "$arg" in -*) continue ;; esac
-    [ -e "$target" ] || continue  # an option's value (`-k expr`, `-m real`), not a path
+    [ -e "$target" ] || continue  # not a path (a value given to some other option)
     paths=1
     if [ -d "$target" ] || [ "$(basename "$target")" = "$file" ]; then return 0; fi
   done

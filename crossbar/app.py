@@ -442,8 +442,8 @@ class Router:
                     await self.take_slot(ex, gone)
                 else:
                     await self._take_then_settle(ex, placed, gone)
-            except HostDown:
-                pass
+            except HostDown as went:
+                down = went.host or ex.host
             except Yielded as moved:
                 placed, yielding = moved.placement, True
                 continue
@@ -462,7 +462,8 @@ class Router:
                 if self.usable(ex):
                     return
                 ex.drop_slot()
-            log.warning("%s went down while %s/%s waited for it; placing it again", ex.host,
+                down = ex.host
+            log.warning("%s went down while %s/%s waited for it; placing it again", down,
                         ex.key.route, ex.model)
             placed, yielding = await self.place(ex, gone=gone, claim_moves=False), False
         raise errors.no_healthy_host([], self._poll_wait())

@@ -131,6 +131,11 @@ def test_a_tier_that_cannot_be_prepared_is_skipped_or_required(tmp_path: Path) -
     (("-k", "lease", "tests/test_lease.py"), False, False),
     (("tests/test_real.py",), True, False),
     (("tests/test_opencode.py::test_opencode_run", "-x"), False, True),
+    # an option's value that names a file is not a test path: the whole suite runs
+    (("--ignore", "tests/test_lease.py"), True, True),
+    (("--deselect", "tests/test_lease.py::test_x"), True, True),
+    (("-q", "--junitxml", "report.xml"), True, True),
+    (("-c", "pyproject.toml"), True, True),
 ])
 def test_the_test_command_prepares_only_the_tiers_it_runs(
         tmp_path: Path, args: tuple[str, ...], lab: bool, opencode: bool) -> None:
@@ -140,6 +145,8 @@ def test_the_test_command_prepares_only_the_tiers_it_runs(
     (clone / "tests").mkdir()
     for name in ("test_lease.py", "test_real.py", "test_opencode.py"):
         (clone / "tests" / name).write_text("")
+    (clone / "report.xml").write_text("<testsuites/>")  # a report the previous run left
+    (clone / "pyproject.toml").write_text("")
     done = run_test_command(clone, *args)
     assert done.returncode == 0, done.stderr
     assert f"pytest ran: {' '.join(args)}".rstrip() in done.stdout

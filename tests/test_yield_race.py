@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,3 +109,30 @@ async def test_with_both_queues_full_the_turn_gets_the_queue_full_answer(tmp_pat
         ex.end()
         for waiter in waiters:
             waiter.cancel()
+
+
+async def test_a_yield_target_going_down_is_logged_as_that_host_not_the_home_host(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The turn queued on a yields to b, queues there, and b goes down (its queue evicted): the
+    warning must name b, not a, which is up and where the turn goes back to."""
+    with router(tmp_path) as r:
+        on_a = await busy(r, "a")
+        ex, turn = queued_turn(r)
+        await settle()
+        on_b = await busy(r, "b")
+        yield_to_b(r, ex)
+        await settle()
+        assert r.queued("b", "m") == 1 and not turn.done()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="crossbar"):
+            r.passive_mark("b", "connect failed")
+            await settle()
+        assert not turn.done() and r.queued("a", "m") == 1 and r.fleet.healthy("a")
+        went_down = [rec.getMessage() for rec in caplog.records if "went down" in rec.getMessage()]
+        try:
+            assert went_down and all(m.startswith("b went down") for m in went_down), went_down
+        finally:
+            r.limiter.release(on_a)
+            await asyncio.wait_for(turn, 5)
+            ex.end()
+            r.limiter.release(on_b)
