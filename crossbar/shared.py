@@ -6,8 +6,9 @@ instance id when it starts.
 
 - Leases: `find_lease` reads the shared row of a conversation this instance does not hold;
   `claim_lease` places a new one with an upsert, so two instances placing the same new key at once
-  both get the one host that won; `move_lease` moves one off a failed host only when the database
-  still names that host, so two instances moving it at once both get the one move that won.
+  both get the one host that won; `move_lease` moves one off a failed host only while the database
+  still names that host (or holds an older write), so two instances moving it at once both get
+  the one move that won.
 - Change feed: changes an instance makes (pins, releases, drains, lease moves) are published with
   `Store.publish`, in the same transaction as the write they describe, and delivered to every other
   instance's `subscribe` callbacks (PostgreSQL LISTEN/NOTIFY; nothing to deliver on SQLite, where
