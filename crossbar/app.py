@@ -463,8 +463,7 @@ class Router:
                     return
                 ex.drop_slot()
                 down = ex.host
-            log.warning("%s went down while %s/%s waited for it; placing it again", down,
-                        ex.key.route, ex.model)
+            _placing_again(ex, down)
             placed, yielding = await self.place(ex, gone=gone, claim_moves=False), False
         raise errors.no_healthy_host([], self._poll_wait())
 
@@ -639,8 +638,7 @@ class Router:
             try:
                 return await self._take_then_settle(ex, placed, gone, settle, reason)
             except HostDown as down:
-                log.warning("%s went down while %s/%s waited for it; placing it again",
-                            down.host or placed.host, ex.key.route, ex.model)
+                _placing_again(ex, down.host or placed.host)
                 ex.excluded.add(down.host or placed.host)
         raise errors.no_healthy_host([], self._poll_wait())
 
@@ -909,3 +907,7 @@ class Lazy[T](Mapping[str, T]):
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def _placing_again(ex: Exchange, down: str) -> None:
+    log.warning("%s went down while %s/%s waited for it; placing it again", down, ex.key.route, ex.model)

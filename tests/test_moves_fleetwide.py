@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 
 import psycopg
 import pytest
@@ -28,16 +28,32 @@ K = Key("r", "fp", "m")
 Two = tuple[Router, Router, dict[str, list[Change]]]
 
 
-@pytest.fixture
-def two(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Two]:
-    """Instances "one" and "two" on one database, each with what it publishes recorded (the feed is
-    not running: a test delivers the notices itself)."""
+@contextmanager
+def instances(pg_url: str, monkeypatch: pytest.MonkeyPatch, parallel: int | None = None) -> Iterator[Two]:
+    """Instances "one" and "two" on one database (each host with `parallel` slots, when given), each
+    with what it publishes recorded (the feed is not running: a test delivers the notices itself)."""
+    raw = pg_raw(pg_url, hosts=HOSTS)
+    if parallel is not None:
+        for conf in raw["hosts"].values():
+            conf["models"] = {"m": {"parallel": parallel}}
     with ExitStack() as stack:
-        routers = [stack.enter_context(opened(pg_raw(pg_url, hosts=HOSTS))) for _ in range(2)]
+        routers = [stack.enter_context(opened(raw)) for _ in range(2)]
         published: dict[str, list[Change]] = {"one": [], "two": []}
         for name, r in zip(published, routers, strict=True):
             monkeypatch.setattr(r.store, "publish", published[name].append)
         yield routers[0], routers[1], published
+
+
+@pytest.fixture
+def two(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Two]:
+    with instances(pg_url, monkeypatch) as pair:
+        yield pair
+
+
+@pytest.fixture
+def two_one_slot(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Two]:
+    with instances(pg_url, monkeypatch, parallel=1) as pair:
+        yield pair
 
 
 def turn(r: Router) -> Exchange:
@@ -56,10 +72,9 @@ async def on_alpha(one: Router, two: Router) -> None:
     two.leases.adopt(K, "alpha", now, now)
 
 
-async def moved_at_once(one: Router, two: Router, settle: bool) -> None:
-    """alpha fails on both; one would move the conversation to beta, two to gamma (each has the
-    other host draining, as far as it knows); both turns move at the same moment. Unsettled (a
-    retry's move), the lease follows once the new host answered."""
+async def failing_on_alpha(one: Router, two: Router) -> list[tuple[Router, Exchange]]:
+    """A turn on each instance, on alpha, which then fails on both; one would move the conversation
+    to beta, two to gamma (each has the other host draining, as far as it knows)."""
     one.fleet.set_draining("gamma", True)
     two.fleet.set_draining("beta", True)
     turns = []
@@ -69,6 +84,13 @@ async def moved_at_once(one: Router, two: Router, settle: bool) -> None:
         assert ex.host == "alpha"
         r.passive_mark("alpha", "answered 502")
         turns.append((r, ex))
+    return turns
+
+
+async def moved_at_once(one: Router, two: Router, settle: bool) -> None:
+    """Both failing turns move at the same moment. Unsettled (a retry's move), the lease follows
+    once the new host answered."""
+    turns = await failing_on_alpha(one, two)
     placed = await asyncio.gather(*(r.move(ex, "answered 502", None, reason=Reason.UNHEALTHY, settle=settle)
                                     for r, ex in turns))
     if not settle:
@@ -82,37 +104,6 @@ def deliver(published: dict[str, list[Change]], one: Router, two: Router) -> Non
         assert target.fleetwide is not None
         for change in published[source]:
             target.fleetwide.on_change(change)
-
-
-@pytest.mark.parametrize("settle", [True, False], ids=["failover", "retry"])
-async def test_two_instances_moving_one_conversation_at_once_agree_on_its_host(
-        two: Two, settle: bool) -> None:
-    one, other, published = two
-    await on_alpha(one, other)
-    await moved_at_once(one, other, settle)
-    deliver(published, one, other)
-    hosts = one.leases.view(K).host, other.leases.view(K).host
-    assert hosts[0] == hosts[1], f"the conversation is split across instances: {hosts}"
-    assert hosts[0] in ("beta", "gamma")
-    assert one.store.shared is not None
-    row = await one.store.shared.find_lease("r", "fp", "m")
-    assert row is not None and row.host == hosts[0], "the database names another host than both instances"
-
-
-async def test_a_move_of_a_conversation_another_instance_moved_first_joins_it(two: Two) -> None:
-    """The second mover finds the database naming the first one's host (not the one both saw
-    fail): its turn goes there too, and it announces that host, never its own choice."""
-    one, other, published = two
-    await on_alpha(one, other)
-    assert one.fleetwide is not None and one.store.shared is not None
-    await one.store.shared.move_lease("r", "fp", "m", "alpha", "beta", time.time())
-    ex = turn(other)
-    await other.lease(ex, None)
-    other.passive_mark("alpha", "connect failed")
-    other.fleet.set_draining("beta", True)  # gamma is where two itself would move it
-    await other.move(ex, "connect failed", None, reason=Reason.UNHEALTHY)
-    assert ex.host == "beta" and other.leases.view(K).host == "beta"
-    assert {c.host for c in published["two"] if c.kind == "lease"} == {"beta"}, published["two"]
 
 
 async def db_host(r: Router, key: Key = K) -> str | None:
@@ -136,13 +127,40 @@ async def settled_hosts(one: Router, other: Router, within: float = 3.0) -> tupl
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.parametrize("settle", [True, False], ids=["failover", "retry"])
+async def test_two_instances_moving_one_conversation_at_once_agree_on_its_host(
+        two: Two, settle: bool) -> None:
+    one, other, published = two
+    await on_alpha(one, other)
+    await moved_at_once(one, other, settle)
+    deliver(published, one, other)
+    got = hosts(one, other)
+    assert got[0] == got[1], f"the conversation is split across instances: {got}"
+    assert got[0] in ("beta", "gamma")
+    assert await db_host(one) == got[0], "the database names another host than both instances"
+
+
+async def test_a_move_of_a_conversation_another_instance_moved_first_joins_it(two: Two) -> None:
+    """The second mover finds the database naming the first one's host (not the one both saw
+    fail): its turn goes there too, and it announces that host, never its own choice."""
+    one, other, published = two
+    await on_alpha(one, other)
+    assert one.fleetwide is not None and one.store.shared is not None
+    await one.store.shared.move_lease("r", "fp", "m", "alpha", "beta", time.time())
+    ex = turn(other)
+    await other.lease(ex, None)
+    other.passive_mark("alpha", "connect failed")
+    other.fleet.set_draining("beta", True)  # gamma is where two itself would move it
+    await other.move(ex, "connect failed", None, reason=Reason.UNHEALTHY)
+    assert ex.host == "beta" and other.leases.view(K).host == "beta"
+    assert {c.host for c in published["two"] if c.kind == "lease"} == {"beta"}, published["two"]
+
+
 async def test_a_retry_that_never_answered_leaves_no_claimed_move_behind(two: Two) -> None:
-    """A 500 from alpha (alpha stays healthy) is retried on beta with settle=False; the retry never
-    answers, so (README, failover addon) "the lease stays" on alpha and nothing is announced. But
-    the move was already claimed in the shared table: the database names beta, where no instance
-    holds the conversation. Another instance that now moves it off alpha (it saw alpha fail) finds
-    beta there and silently adopts it: instance one keeps serving alpha, instance two beta, and no
-    notice or later touch ever reconciles them."""
+    """A 500 from alpha (alpha stays healthy) is retried on beta, and the retry never answers: the
+    lease stays on alpha and nothing is announced, in the shared table too (the move is claimed
+    only once the retry answered). Another instance that then moves the conversation off alpha
+    must not find a move that never happened there: the two instances end up agreeing."""
     one, other, published = two
     await on_alpha(one, other)
     published["one"].clear()  # two knows already
@@ -174,9 +192,8 @@ async def test_a_retry_that_never_answered_leaves_no_claimed_move_behind(two: Tw
 
 
 async def test_a_move_that_got_no_slot_leaves_the_shared_lease_where_it_was(two: Two) -> None:
-    """`_take_then_settle`: "When no slot can be had (queue full, client gone) nothing changes: the
-    exchange keeps its host and the lease stays where it was." The claim already moved the shared
-    row: the database names beta while every instance's lease says alpha."""
+    """A move that gets no slot (here the client left) changes nothing: every instance's lease and
+    the shared table still name alpha."""
     one, other, _ = two
     await on_alpha(one, other)
     ex = turn(one)
@@ -194,9 +211,8 @@ async def test_a_move_that_got_no_slot_leaves_the_shared_lease_where_it_was(two:
 async def test_a_move_does_not_adopt_a_stale_host_the_database_still_names(two: Two) -> None:
     """README, Known limitations: while one instance moves a conversation, the other's write of a
     turn it was serving can land last, leaving the database naming the old host while both
-    instances agree in memory. The next failover move then reads that stale host as "another
-    instance moved it first": instance two adopts alpha (the host instance one saw fail, drained
-    since) without announcing anything, and the two instances stay split."""
+    instances agree in memory. The next failover move must take that stale row as older than what
+    it knows (not as another instance's move): both instances follow the move it makes."""
     one, other, published = two
     await on_alpha(one, other)
     published["one"].clear()  # two knows already
@@ -246,14 +262,7 @@ async def test_a_slow_database_during_simultaneous_moves_does_not_leave_them_swa
     one, other, published = two
     await on_alpha(one, other)
     published["one"].clear()  # two knows already
-    one.fleet.set_draining("gamma", True)  # one would move it to beta, two to gamma
-    other.fleet.set_draining("beta", True)
-    turns = []
-    for r in (one, other):
-        ex = turn(r)
-        await r.lease(ex, None)
-        r.passive_mark("alpha", "answered 502")
-        turns.append((r, ex))
+    turns = await failing_on_alpha(one, other)
     locker = await psycopg.AsyncConnection.connect(pg_url.replace("postgresql+psycopg", "postgresql"))
     try:
         await locker.execute("BEGIN")
@@ -270,30 +279,14 @@ async def test_a_slow_database_during_simultaneous_moves_does_not_leave_them_swa
     assert got[0] == got[1], f"the conversation is split across instances: {got}"
 
 
-@pytest.fixture
-def two_one_slot(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Router, Router]]:
-    """Two instances, each host with one slot, announcing nothing."""
-    with ExitStack() as stack:
-        raw = pg_raw(pg_url, hosts=HOSTS)
-        for conf in raw["hosts"].values():
-            conf["models"] = {"m": {"parallel": 1}}
-        routers = [stack.enter_context(opened(raw)) for _ in range(2)]
-        for r in routers:
-            monkeypatch.setattr(r.store, "publish", lambda change: None)
-        yield routers[0], routers[1]
-
-
 async def test_a_move_that_follows_another_instance_and_finds_that_host_down_is_not_refused(
-        two_one_slot: tuple[Router, Router]) -> None:
+        two_one_slot: Two) -> None:
     """Instance two moves the turn off alpha to gamma; the database says one moved it to beta
     first, so the turn follows to beta, where it queues; beta goes down. gamma is up: the turn
     goes there, with beta (not gamma) left out."""
-    one, other = two_one_slot
-    now = time.time()
-    assert one.fleetwide is not None and one.store.shared is not None
-    assert await one.fleetwide.claim(K, "alpha") == "alpha"
-    one.leases.apply(K, LeaseChange(Placed.CREATE, "alpha"), now)
-    other.leases.adopt(K, "alpha", now, now)
+    one, other, _ = two_one_slot
+    await on_alpha(one, other)
+    assert one.store.shared is not None
     await one.store.shared.move_lease("r", "fp", "m", "alpha", "beta", time.time())
     ex = turn(other)
     await other.lease(ex, None)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from test_yield_race import CHAT, TURN, busy, router
 from test_yield_race import settle as settle_loop
 
 from crossbar.app import Router
-from crossbar.config import parse_config
 from crossbar.decisions import Reason
 from crossbar.exchange import Exchange
 from crossbar.placement import Change, LeaseChange, Placement
@@ -71,18 +69,8 @@ async def test_what_happened_to_the_lease_during_the_retry_stands(tmp_path: Path
         assert events == before  # following changed nothing more
 
 
-@contextlib.contextmanager
-def three_hosts(tmp_path: Path) -> Iterator[Router]:
-    r = Router(parse_config({
-        "listen": "127.0.0.1:7777", "db": str(tmp_path / "crossbar.db"), "queue_max": 2,
-        "hosts": {n: {"base_url": f"http://127.0.0.1:{18081 + i}", "models": {"m": {"parallel": 1}}}
-                  for i, n in enumerate(("a", "b", "c"))},
-        "routes": {"r": {"hosts": ["a", "b", "c"], "default_model": "m"}},
-    }))
-    try:
-        yield r
-    finally:
-        r.store.close()
+def three_hosts(tmp_path: Path) -> contextlib.AbstractContextManager[Router]:
+    return router(tmp_path, ("a", "b", "c"), queue_max=2)
 
 
 @pytest.mark.parametrize("settle", [True, False], ids=["failover", "retry"])

@@ -27,12 +27,13 @@ TURN = Key("r", "conversation", "m")
 
 
 @contextlib.contextmanager
-def router(tmp_path: Path) -> Iterator[Router]:
+def router(tmp_path: Path, hosts: tuple[str, ...] = ("a", "b"), queue_max: int = 1) -> Iterator[Router]:
+    """Route r over `hosts`, one slot each for model m."""
     r = Router(parse_config({
-        "listen": "127.0.0.1:7777", "db": str(tmp_path / "crossbar.db"), "queue_max": 1,
-        "hosts": {"a": {"base_url": "http://127.0.0.1:18081", "models": {"m": {"parallel": 1}}},
-                  "b": {"base_url": "http://127.0.0.1:18082", "models": {"m": {"parallel": 1}}}},
-        "routes": {"r": {"hosts": ["a", "b"], "default_model": "m"}},
+        "listen": "127.0.0.1:7777", "db": str(tmp_path / "crossbar.db"), "queue_max": queue_max,
+        "hosts": {n: {"base_url": f"http://127.0.0.1:{18081 + i}", "models": {"m": {"parallel": 1}}}
+                  for i, n in enumerate(hosts)},
+        "routes": {"r": {"hosts": list(hosts), "default_model": "m"}},
     }))
     try:
         yield r
