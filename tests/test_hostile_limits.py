@@ -41,6 +41,7 @@ from crossbar.limits import (
 from llamasim import SimConfig, SimServer
 
 MAX_BODY = 1024 * 1024
+CHUNK_64K = b"%x\r\n%s\r\n" % (64 * 1024, b"x" * 64 * 1024)
 CHAT = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
 LIMITS = {"max_body": "1MiB", "max_head": "64KiB", "head_timeout": "1s", "idle_timeout": "2s",
           "body_timeout": "1s", "max_connections_per_peer": 8}
@@ -182,18 +183,28 @@ async def test_a_stalled_request_body_is_a_json_408_and_a_slow_steady_one_is_ser
 async def test_a_chunked_body_is_cut_at_max_body_with_the_same_json_413(tmp_path: Path) -> None:
     async with rig(tmp_path) as r:
         reader, writer = await connect(r.port)
-        writer.write(head(Transfer_Encoding="chunked"))
-        chunk = b"%x\r\n%s\r\n" % (64 * 1024, b"x" * 64 * 1024)
-        sent = 0
-        with suppress(ConnectionError):
-            while sent < 40 * MAX_BODY and not reader.at_eof():
-                writer.write(chunk)
-                await writer.drain()
-                sent += len(chunk)
-                if reader._buffer:  # the answer has begun
-                    break
+        # one chunk past max_body, then silence: only the count can answer 413 (waiting for the
+        # rest of the body would end in body_timeout's 408)
+        writer.write(head(Transfer_Encoding="chunked") + CHUNK_64K * (MAX_BODY // (64 * 1024) + 1))
         assert_json_error(*await answer(reader), 413)
-        assert sent < 16 * MAX_BODY  # what the socket buffers took before the answer arrived
+        writer.close()
+        await chat_ok(r.port)
+
+
+async def test_a_chunked_body_that_never_stops_coming_is_answered_413_while_it_comes(tmp_path: Path) -> None:
+    async with rig(tmp_path) as r:
+        reader, writer = await connect(r.port)
+        writer.write(head(Transfer_Encoding="chunked"))
+        cap, sent = 400 * MAX_BODY, 0
+        with suppress(ConnectionError):
+            async with asyncio.timeout(20):  # a proxy that stops reading without answering fails here
+                while sent < cap and not reader._buffer and not reader.at_eof():
+                    writer.write(CHUNK_64K)
+                    await writer.drain()
+                    await asyncio.sleep(0)  # lets the answer in: drain never yields while the proxy keeps up
+                    sent += len(CHUNK_64K)
+        assert sent < cap
+        assert_json_error(*await answer(reader), 413)
         await chat_ok(r.port)
 
 
