@@ -10,21 +10,20 @@ worker thread, parsed one piece at a time so the event loop keeps the interprete
 from __future__ import annotations
 
 import asyncio
-import codecs
 import dataclasses
 import hashlib
 import json
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, quote
 
-from crossbar import jsonread
+from crossbar import jsonpieces, jsonread
 from crossbar.config import RouteConf
 from crossbar.errors import CrossbarError, bad_request, not_found, too_large
 from crossbar.guard import DEFAULT_BYTES_PER_TOKEN
+from crossbar.jsonpieces import Sink
 from crossbar.jsonread import UNREAD
 
 CHAT_PATH = "/v1/chat/completions"
@@ -67,8 +66,6 @@ OFF_LOOP_BYTES = 2 * 1024 * 1024
 # comma, so a body of fewer commas holds fewer values. Bodies under COUNT_FROM are not counted.
 OFF_LOOP_VALUES = 16_384
 COUNT_FROM = 32 * 1024
-_DECODE_PIECE = 1 << 20  # UTF-8 is decoded a piece at a time: each C call stays short
-_PACE_ITEMS = 256  # array elements parsed between two offers of the interpreter to other threads
 SYSTEM_ROLES = frozenset({"system", "developer"})
 _SHOW_MAX = 130  # longest untrusted text quoted in an error message
 
@@ -267,175 +264,41 @@ def _json_len(value: Any) -> int:
     return _utf8_len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
-class _ConstantRefused(ValueError):
-    """NaN / Infinity / -Infinity: accepted by Python's json, but not JSON."""
-
-
-def _refuse_constant(name: str) -> Any:
-    raise _ConstantRefused(f"{name} is not allowed")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
-_SCAN = _DECODER.scan_once
-_WS = re.compile(r"[ \t\n\r]*")
-_COMMA = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
-
-
-def _let_others_run() -> None:
-    """Release the interpreter lock for a moment: the event loop thread, if it waits for it, runs
-    now rather than when the interpreter's switch interval forces a hand-over."""
-    time.sleep(0)
-
-
-def _decode_utf8(raw: bytes) -> str:
-    """`raw.decode("utf-8")`, a piece at a time for a large body (every piece is one short C call)."""
-    if len(raw) <= _DECODE_PIECE:
-        return raw.decode("utf-8")
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    view = memoryview(raw)
-    pieces = []
-    for at in range(0, len(raw), _DECODE_PIECE):
-        pieces.append(decoder.decode(view[at:at + _DECODE_PIECE]))
-        _let_others_run()
-    pieces.append(decoder.decode(b"", final=True))
-    return "".join(pieces)
-
-
-def _scan_value(text: str, at: int) -> tuple[Any, int]:
-    try:
-        return _SCAN(text, at)
-    except StopIteration as stop:
-        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
-
-
-class Sink(Protocol):
-    def extend(self, items: Sequence[Any]) -> None: ...
-
-
-def _scan_array(text: str, at: int, sink: Sink | None = None) -> tuple[Any, int]:
-    """The array that opens at text[at], one element per C call; with a `sink`, the elements go
-    to it _PACE_ITEMS at a time (and are dropped: nothing piles up for the garbage collector) and
-    the sink stands in for the array. What the sink refuses in an element is raised before any
-    error in the text after that element, as if it had been handed each one as it was read."""
-    items: list[Any] = []
-    try:
-        at = _scan_items(text, at, items, sink)
-    except BaseException:
-        if sink is not None:
-            sink.extend(items)
-        raise
-    if sink is None:
-        return items, at
-    sink.extend(items)
-    return sink, at
-
-
-def _scan_items(text: str, at: int, items: list[Any], sink: Sink | None) -> int:
-    """`_scan_array`'s reading: where the array ends; its elements appended to `items` (with a
-    sink, handed to it and cleared every _PACE_ITEMS)."""
-    scan, comma = _SCAN, _COMMA.match
-    at = _WS.match(text, at + 1).end()
-    if text.startswith("]", at):
-        return at + 1
-    try:
-        while True:
-            item, at = scan(text, at)
-            items.append(item)
-            if len(items) % _PACE_ITEMS == 0:
-                if sink is not None:
-                    batch = items.copy()
-                    items.clear()  # handed over: on an error, `_scan_array` hands over only the rest
-                    sink.extend(batch)
-                _let_others_run()
-            separator = comma(text, at)
-            if separator is None:
-                break
-            at = separator.end()
-    except StopIteration as stop:
-        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
-    at = _WS.match(text, at).end()
-    if not text.startswith("]", at):
-        raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
-    return at + 1
-
-
-def _loads_piecewise(text: str, sinks: Mapping[str, Callable[[], Sink]] | None = None) -> Any:
-    """`json.loads(text)`, taking a top-level object one member at a time and a top-level array
-    member one element at a time. A single C call never parses the whole body, so a worker thread
-    running this hands the interpreter lock back to the event loop between pieces. The elements
-    of a top-level array named in `sinks` go to a new sink of that name (a repeated name starts a
-    new one: the last wins, as in `json.loads`), which stands in for the array."""
-    at = _WS.match(text, 0).end()
-    if not text.startswith("{", at):
-        value, at = _scan_value(text, at)
-    else:
-        value, at = _scan_members(text, at, sinks or {})
-    end = _WS.match(text, at).end()
-    if end != len(text):
-        raise json.JSONDecodeError("Extra data", text, end)
-    return value
-
-
-def _scan_members(text: str, at: int, sinks: Mapping[str, Callable[[], Sink]],
-                  ) -> tuple[dict[str, Any], int]:
-    obj: dict[str, Any] = {}
-    at = _WS.match(text, at + 1).end()
-    if text.startswith("}", at):
-        return obj, at + 1
-    while True:
-        if not text.startswith('"', at):
-            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
-        key, at = json.decoder.scanstring(text, at + 1)
-        at = _WS.match(text, at).end()
-        if not text.startswith(":", at):
-            raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
-        at = _WS.match(text, at + 1).end()
-        if text.startswith("[", at):
-            obj[key], at = _scan_array(text, at, sinks[key]() if key in sinks else None)
-        else:
-            obj[key], at = _scan_value(text, at)
-        at = _WS.match(text, at).end()
-        if text.startswith(",", at):
-            at = _WS.match(text, at + 1).end()
-        elif text.startswith("}", at):
-            return obj, at + 1
-        else:
-            raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
-
-
 def _load_object(raw: bytes, sinks: Mapping[str, Callable[[], Sink]] | None = None,
-                 piecewise: bool = False) -> dict[str, Any]:
+                 piecewise: bool = False, large: list[Any] | None = None) -> dict[str, Any]:
     """The body as a JSON object. NaN and ±Infinity are refused (they are not JSON). A body below
     OFF_LOOP_BYTES is read by orjson in one call (`crossbar.jsonread`); a larger one, one asked to
     be read `piecewise`, or one orjson refuses, by the standard library: piecewise, it is decoded
     and parsed a piece at a time (the same result and errors as one `json.loads`), its top-level
-    arrays named in `sinks` fed to them one element at a time."""
+    arrays named in `sinks` fed to them one element at a time, its large arrays and objects added
+    to `large` (`jsonpieces.loads`)."""
     piecewise = piecewise or len(raw) >= OFF_LOOP_BYTES
     obj = UNREAD if piecewise else jsonread.loads(raw)
     if isinstance(obj, dict):  # the usual body
         return obj
     if obj is UNREAD:
-        obj = _load_standard(raw, piecewise, sinks)
+        obj = _load_standard(raw, piecewise, sinks, large)
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object")
     return obj
 
 
-def _load_standard(raw: bytes, piecewise: bool, sinks: Mapping[str, Callable[[], Sink]] | None) -> Any:
+def _load_standard(raw: bytes, piecewise: bool, sinks: Mapping[str, Callable[[], Sink]] | None,
+                   large: list[Any] | None = None) -> Any:
     """The standard library's reading of the body, a piece at a time when `piecewise`; what it
     refuses is a 400 that says why."""
     try:
-        text = _decode_utf8(raw) if piecewise else raw.decode("utf-8")
+        text = jsonpieces.decode_utf8(raw) if piecewise else raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8") from None
     try:
-        obj = _loads_piecewise(text, sinks) if piecewise else _DECODER.decode(text)
+        obj = jsonpieces.loads(text, sinks, large) if piecewise else jsonpieces.DECODER.decode(text)
     except json.JSONDecodeError as e:
         reason = f"{e.msg} at line {e.lineno} column {e.colno}"
         raise bad_request(f"request body is not valid JSON: {reason}") from None
     except RecursionError:
         raise bad_request("request body is not valid JSON: nested too deeply") from None
-    except _ConstantRefused as e:
+    except jsonpieces.ConstantRefused as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     except ValueError:  # an integer beyond sys.get_int_max_str_digits()
         raise bad_request("request body is not valid JSON: a number is too long") from None
@@ -619,8 +482,19 @@ def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int, f
     size = len(raw) if raw else 0
     if size > max_body:
         raise too_large(f"request body is {size} bytes; the limit (max_body) is {max_body} bytes")
+    if not piecewise and size < OFF_LOOP_BYTES:
+        return _peek(raw, path, default_model, fp_key, False, None)
+    large: list[Any] = []  # the parsed body's large arrays and objects, emptied a piece at a time
+    try:
+        return _peek(raw, path, default_model, fp_key, True, large)
+    finally:
+        jsonpieces.dismantle(large)
+
+
+def _peek(raw: bytes | None, path: str, default_model: str, fp_key: bytes, piecewise: bool,
+          large: list[Any] | None) -> BodyPeek:
     if raw and path == CHAT_PATH:  # the usual request, before the checks it would pass
-        body = _load_object(raw, _CHAT_SINKS, piecewise)
+        body = _load_object(raw, _CHAT_SINKS, piecewise, large)
         model, stream, include_usage = _common_fields(body, default_model)
         tally = _chat_tally(body)
         fp = _digest(tally.system, tally.user, fp_key)
@@ -629,7 +503,7 @@ def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int, f
         return BodyPeek(default_model, False, False, "", 0, 0)
     if not raw:
         raise bad_request("request body must be a JSON object")
-    body = _load_object(raw, _PROMPT_SINKS[path], piecewise)
+    body = _load_object(raw, _PROMPT_SINKS[path], piecewise, large)
     model, stream, include_usage = _common_fields(body, default_model)
     key = "prompt" if path == COMPLETIONS_PATH else "input"
     return BodyPeek(model, stream, include_usage, "", _text_or_list_bytes(body, key), 0)
