@@ -8,9 +8,10 @@ is read by the scanner in one call; a larger array or object one member at a tim
 a window at a time. Between pieces the lock is offered to other threads.
 
 The result, and the kind and position of an error, are those of `json.loads` (NaN and ±Infinity
-refused), but for two refusals: a number longer than a window is too long (an integer over 4300
-digits already is), and values nested some 300 levels deep inside values too large for a window
-are nested too deeply (the scanner alone takes about 1000 levels).
+refused), but for three refusals: a number longer than a window is too long (an integer over 4300
+digits already is); values nested some 300 levels deep inside values too large for a window are
+nested too deeply (the scanner alone takes about 1000 levels); an object of more than MAX_MEMBERS
+members is refused.
 
 A parsed value too large for a window is also slow to free at once: `loads` tells the caller
 which of its arrays and objects were read a member at a time, for `dismantle`.
@@ -27,9 +28,14 @@ from json.decoder import scanstring
 from typing import Any, Protocol
 
 WINDOW = 1 << 16  # characters one C call reads at most
+MAX_MEMBERS = 1 << 18  # members of one object (its largest rehash: ~6 ms); more than any vocabulary
 _PACE_ITEMS = 256  # values read between two offers of the interpreter to other threads...
 _PACE_CHARS = 1 << 18  # ...or characters, whichever comes first
-_FREE_ITEMS = 4096  # members freed between two offers (freeing 4096 small objects takes ~0.3 ms)
+# A value read whole of this many characters or more that is a non-empty array or object is added to
+# `large` too, so that every member `dismantle` frees at once holds at most _ADD_CHARS / 2 objects...
+_ADD_CHARS = 256
+_FREE_ITEMS = 512  # ...and a step of it frees 64k objects at most (~2 ms; small members: ~0.05 ms)
+_FREE_SLICE_S = 0.0005  # the lock is offered once steps have taken this long
 _DECODE_PIECE = 1 << 20  # UTF-8 is decoded a piece at a time: each C call stays short
 
 _WS = re.compile(r"[ \t\n\r]*")
@@ -40,11 +46,17 @@ _STRING_RUN = re.compile(r'[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[
 _NUMBER_TEXT = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
 _NUMBER = re.compile(_NUMBER_TEXT)
 _NUMBER_START = frozenset("-0123456789")
+_OPENERS = frozenset("[{")
 _NUMBERS = re.compile(rf"(?:{_NUMBER_TEXT}[ \t\n\r]*,[ \t\n\r]*)+")  # each followed by a comma
 
 
 class ConstantRefused(ValueError):
     """NaN / Infinity / -Infinity: accepted by Python's json, but not JSON."""
+
+
+class TooManyMembers(ValueError):
+    """An object of more than MAX_MEMBERS members: growing a dict that large rehashes it in one
+    call (2M members: 50 ms)."""
 
 
 def _refuse_constant(name: str) -> Any:
@@ -63,18 +75,22 @@ class Sink(Protocol):
 
 
 def dismantle(containers: list[list[Any] | dict[str, Any]]) -> None:
-    """Empty `containers` (inner ones first) _FREE_ITEMS members at a time, and forget them.
-    Freeing a parsed value at once holds the interpreter lock for as long as building it took (a
-    message of 600k content parts: 50 ms); a container read in one window is small to free."""
-    for container in containers:
+    """Empty `containers` (the last first: `loads` adds a container before those inside it)
+    _FREE_ITEMS members at a time, and forget them. Freeing a parsed value at once holds the
+    interpreter lock for as long as building it took (a message of 600k content parts: 50 ms);
+    each member left in a container `loads` added is small (see _ADD_CHARS), so a step is short."""
+    offered = time.perf_counter()
+    while containers:
+        container = containers.pop()
         while container:
             if isinstance(container, list):
                 del container[-_FREE_ITEMS:]
             else:
                 for _ in range(min(_FREE_ITEMS, len(container))):
                     container.popitem()
-            let_others_run()
-    containers.clear()
+            if time.perf_counter() - offered > _FREE_SLICE_S:
+                let_others_run()
+                offered = time.perf_counter()
 
 
 def let_others_run() -> None:
@@ -103,15 +119,15 @@ def loads(text: str, sinks: Mapping[str, Callable[[], Sink]] | None = None,
     in `sinks` go to a new sink of that name, a batch at a time (a repeated name starts a new one:
     the last wins, as in `json.loads`), which stands in for the array; each batch is `dismantle`d
     once its sink has it. The arrays and objects read a member at a time (too large for one
-    window) that are left in the value are added to `large`, inner ones first, for the caller to
-    `dismantle` when it is done with the value."""
+    window), the top-level object and, on an error, those left half-read, are added to `large`
+    for the caller to `dismantle` when it is done with the value or the error."""
     reader = _Reader(text, [] if large is None else large)
-    at = _WS.match(text, 0).end()
+    at = reader.ws(0)
     if text.startswith("{", at):
         value, at = reader.members(at, sinks or {})
     else:
         value, at = reader.value(at)
-    end = _WS.match(text, at).end()
+    end = reader.ws(at)
     if end != len(text):
         raise json.JSONDecodeError("Extra data", text, end)
     return value
@@ -130,6 +146,7 @@ class _Reader:
         self.base, self.piece = 0, ""
         self.piece_end, self.last = 0, not text  # where the piece ends in the text; whether that is the end
         self.items = self.chars = 0
+        self.untried_before = 0  # values that open before this are read a member at a time untried
 
     def pace(self, chars: int) -> None:
         self.items += 1
@@ -147,10 +164,27 @@ class _Reader:
         self.piece_end = at + len(self.piece)
         self.last = self.piece_end == len(self.text)
 
+    def ws(self, at: int) -> int:
+        """Where the white space at text[at] ends, read a window at a time."""
+        text, size = self.text, len(self.text)
+        while True:
+            limit = at + WINDOW
+            at = _WS.match(text, at, limit).end()
+            if at < limit or at >= size:
+                return at
+            self.pace(WINDOW)
+
     def _whole(self, at: int) -> tuple[Any, int] | None:
         """The value at text[at] read in one C call, when it ends within a window; None when it
         may not (it is larger, or malformed: reading it a piece at a time tells which). Kept in
-        one function: it runs once per value."""
+        one function: it runs once per value.
+
+        An array or object that does not fit makes the values that open in the next half window
+        be read a member at a time without trying: each would fail the same way (a value nested
+        300 deep would cost 300 windows), and what is read that way instead is at most half a
+        window per failed try."""
+        if at < self.untried_before and self.text[at:at + 1] in _OPENERS:
+            return None
         offset = at - self.base
         if offset < 0 or (self.piece_end - at < WINDOW // 2 and not self.last):
             self._slice(at)
@@ -164,9 +198,15 @@ class _Reader:
             except json.JSONDecodeError as e:
                 if self.last:
                     raise json.JSONDecodeError(e.msg, self.text, self.base + e.pos) from None
+            except ValueError:  # ConstantRefused, or an integer's digits cut by the window
+                if self.last:
+                    raise
             else:
                 end += self.base
-                if end < self.piece_end or self.last:  # else a number may go on past the window
+                # a number cut by the window ("1." or "1e-" read as 1) ends within its last 3 characters
+                if end < self.piece_end - 3 or self.last:
+                    if end - at >= _ADD_CHARS and value and isinstance(value, list | dict):
+                        self.large.append(value)
                     self.items += 1
                     self.chars += end - at
                     if self.items >= _PACE_ITEMS or self.chars >= _PACE_CHARS:
@@ -174,6 +214,8 @@ class _Reader:
                         let_others_run()
                     return value, end
             if not offset:
+                if self.text[at:at + 1] in _OPENERS:
+                    self.untried_before = at + WINDOW // 2
                 return None
             self._slice(at)  # perhaps it fits a window of its own
             offset = 0
@@ -182,9 +224,7 @@ class _Reader:
         """The value at text[at] that `_whole` could not read, a piece at a time."""
         first = self.text[at:at + 1]
         if first == "{":
-            obj, end = self.members(at, {})
-            self.large.append(obj)
-            return obj, end
+            return self.members(at, {})
         if first == "[":
             return self.array(at)
         if first == '"':
@@ -213,13 +253,21 @@ class _Reader:
             start = stop
         if text.startswith('"', stop):
             return "".join(parts), stop + 1
-        if stop >= size:
-            raise json.JSONDecodeError("Unterminated string starting at", text, at)
-        if text.startswith("\\u", stop):
-            raise json.JSONDecodeError("Invalid \\uXXXX escape", text, stop + 1)
-        if text.startswith("\\", stop):
-            raise json.JSONDecodeError("Invalid \\escape", text, stop)
-        raise json.JSONDecodeError("Invalid control character at", text, stop)
+        raise self._string_error(at, start, stop)
+
+    def _string_error(self, at: int, start: int, stop: int) -> json.JSONDecodeError:
+        """The standard library's error for the string that opens at text[at], valid up to
+        text[stop]: its own reading of the last window from `start` (where an escape begins or
+        ends) to a little past `stop` (the longest escape is 12 characters)."""
+        text = self.text
+        end = min(len(text), stop + 16)
+        try:
+            scanstring(text[start:end] + ("" if end == len(text) else '"'), 0)
+        except json.JSONDecodeError as e:
+            if e.msg.startswith("Unterminated string"):
+                return json.JSONDecodeError(e.msg, text, at)
+            return json.JSONDecodeError(e.msg, text, start + e.pos)
+        return json.JSONDecodeError("Unterminated string starting at", text, at)  # not reached
 
     def array(self, at: int, sink: Sink | None = None) -> tuple[Any, int]:
         """The array that opens at text[at], one element at a time; with a `sink`, the elements go
@@ -229,19 +277,18 @@ class _Reader:
         was read."""
         items: list[Any] = []
         if sink is None:
-            at = self._items(at, items, None)
             self.large.append(items)
-            return items, at
-        start = len(self.large)  # the large containers of the batch being read begin here
+            return items, self._items(at, items, None)
+        start = len(self.large)  # the containers of the batch being read are added from here
 
         def hand_over() -> None:
             try:
                 sink.extend(items)
             finally:  # handed over, even when refused: an error after it hands over only the rest
-                items.clear()
-                batch_large = self.large[start:]
+                batch = self.large[start:]
                 del self.large[start:]
-                dismantle(batch_large)
+                batch.insert(0, items)  # emptied last, as the outermost
+                dismantle(batch)
 
         try:
             at = self._items(at, items, hand_over)
@@ -250,31 +297,39 @@ class _Reader:
         return sink, at
 
     def _items(self, at: int, items: list[Any], batch_full: Callable[[], None] | None) -> int:
-        text, comma = self.text, _COMMA.match
-        at = _WS.match(text, at + 1).end()
+        text, comma, whole = self.text, _COMMA.match, self._whole
+        at = self.ws(at + 1)
         if text.startswith("]", at):
             return at + 1
-        whole, size = self._whole, len(text)
+        one_by_one_until = 0  # a run that held a number too long for an integer is read one by one
         while True:
-            numbers = (_NUMBERS.match(text, at, min(size, at + WINDOW)) if text[at:at + 1] in _NUMBER_START
-                       else None)
-            if numbers is not None:  # a run of numbers (token ids, say): one C call for all of them
-                run = numbers.group()
-                items += _SCAN("[" + run[:run.rindex(",")] + "]", 0)[0]
+            numbers = (_NUMBERS.match(text, at, at + WINDOW)
+                       if at >= one_by_one_until and text[at:at + 1] in _NUMBER_START else None)
+            run = numbers.group() if numbers is not None else ""
+            try:  # a run of numbers (token ids, say): one C call for all of them
+                values = _SCAN("[" + run[:run.rindex(",")] + "]", 0)[0] if run else None
+            except ValueError:  # read one at a time, so that what comes before it is handed over first
+                values, one_by_one_until = None, at + len(run)
+            if values is not None:
+                items += values
                 self.pace(len(run))
-                at = _WS.match(text, numbers.end()).end()  # the window may end inside the white space
+                at = self.ws(numbers.end()) if numbers.end() == at + WINDOW else numbers.end()
             else:
                 item, at = whole(at) or self._large(at)
                 items.append(item)
             if batch_full is not None and len(items) >= _PACE_ITEMS:
                 batch_full()
-            if numbers is not None:
+            if values is not None:
                 continue
-            separator = comma(text, at)
-            if separator is None:
+            separator = comma(text, at, at + WINDOW)
+            if separator is not None and separator.end() < at + WINDOW:
+                at = separator.end()
+                continue
+            at = self.ws(at)
+            if not text.startswith(",", at):
                 break
-            at = separator.end()
-        at = _WS.match(text, at).end()
+            at = self.ws(at + 1)
+        at = self.ws(at)
         if not text.startswith("]", at):
             raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
         return at + 1
@@ -283,24 +338,27 @@ class _Reader:
         """The object that opens at text[at], one member at a time (see `loads` for `sinks`)."""
         text = self.text
         obj: dict[str, Any] = {}
-        at = _WS.match(text, at + 1).end()
+        self.large.append(obj)
+        at = self.ws(at + 1)
         if text.startswith("}", at):
             return obj, at + 1
         while True:
             if not text.startswith('"', at):
                 raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
             key, at = self.value(at)
-            at = _WS.match(text, at).end()
+            at = self.ws(at)
             if not text.startswith(":", at):
                 raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
-            at = _WS.match(text, at + 1).end()
+            at = self.ws(at + 1)
             if key in sinks and text.startswith("[", at):
                 obj[key], at = self.array(at, sinks[key]())
             else:
                 obj[key], at = self.value(at)
-            at = _WS.match(text, at).end()
+            if len(obj) > MAX_MEMBERS:
+                raise TooManyMembers(f"an object has more than {MAX_MEMBERS} members")
+            at = self.ws(at)
             if text.startswith(",", at):
-                at = _WS.match(text, at + 1).end()
+                at = self.ws(at + 1)
             elif text.startswith("}", at):
                 return obj, at + 1
             else:

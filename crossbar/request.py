@@ -300,6 +300,8 @@ def _load_standard(raw: bytes, piecewise: bool, sinks: Mapping[str, Callable[[],
         raise bad_request("request body is not valid JSON: nested too deeply") from None
     except jsonpieces.ConstantRefused as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    except jsonpieces.TooManyMembers as e:
+        raise bad_request(f"request body refused: {e}") from None
     except ValueError:  # an integer beyond sys.get_int_max_str_digits()
         raise bad_request("request body is not valid JSON: a number is too long") from None
     return obj

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -416,3 +416,34 @@ async def fleet_with_route(tmp_path: Path, specs: Mapping[str, HostSpec], **top:
                            {"r": {"hosts": list(specs), "default_model": "m"}}, **top)
         async with crossbar_proxy(cfg) as proxy:
             yield fleet, proxy
+
+
+async def largest_loop_gap(run: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
+    """The event loop's longest pause (s) while `run` runs, seen by a 1 ms ticker, with the
+    interpreter's switch interval crossbar sets; and what `run` gave."""
+    from crossbar.addons.listeners import SWITCH_INTERVAL
+
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+    done = False
+
+    async def tick() -> None:
+        last = loop.time()
+        while not done:
+            await asyncio.sleep(0.001)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    try:
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.sleep(0.02)
+        result = await run()
+        await asyncio.sleep(0.02)
+        done = True
+        await ticker
+    finally:
+        sys.setswitchinterval(interval)
+    return max(gaps), result

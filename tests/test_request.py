@@ -1,15 +1,14 @@
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import json
-from collections.abc import Awaitable, Callable
 from typing import Any
 from unittest import mock
 from urllib.parse import quote
 
 import pytest
+from harness import largest_loop_gap
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -904,27 +903,6 @@ def test_a_small_body_of_many_values_is_peeked_off_the_loop_and_a_piece_at_a_tim
     with mock.patch("crossbar.jsonread.loads", side_effect=AssertionError("parsed in one call")):
         peek = peek_body(many, "/v1/completions", "m", 32 << 20, b"k" * 32, piecewise=True)
     assert peek.model == "m" and peek.prompt_bytes == 0  # empty token lists
-
-
-async def largest_loop_gap(peek: Callable[[], Awaitable[BodyPeek]]) -> tuple[float, BodyPeek]:
-    """The event loop's longest pause (s) while `peek` runs, seen by a 2 ms ticker."""
-    loop = asyncio.get_running_loop()
-    gaps: list[float] = []
-    done = False
-
-    async def tick() -> None:
-        last = loop.time()
-        while not done:
-            await asyncio.sleep(0.002)
-            gaps.append(loop.time() - last)
-            last = loop.time()
-
-    ticker = asyncio.ensure_future(tick())
-    await asyncio.sleep(0.02)
-    peek_result = await peek()
-    done = True
-    await ticker
-    return max(gaps), peek_result
 
 
 async def test_peeking_a_small_body_of_many_values_does_not_hold_the_event_loop() -> None:

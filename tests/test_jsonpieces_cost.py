@@ -1,0 +1,234 @@
+"""The piecewise JSON reader at its real window size and through `peek_body`: numbers and strings
+cut by a window, what the event loop waits for while a large body is read and freed (the collector
+off, so that a pause measured is the reader's own), what a refused body leaves behind, and what
+nesting costs."""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import pytest
+from harness import largest_loop_gap
+
+from crossbar import jsonpieces
+from crossbar.errors import CrossbarError
+from crossbar.request import peek_body, peek_body_off_loop
+
+READ_WHOLE = jsonpieces.DECODER.decode
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+KEY = b"k" * 32
+W = jsonpieces.WINDOW  # the real window, 65536
+
+
+def _outcome(read: Callable[[str], Any], text: str) -> Any:
+    try:
+        return "value", read(text)
+    except json.JSONDecodeError as e:
+        return "error", e.msg, e.pos
+    except ValueError as e:
+        return "error", type(e).__name__
+
+
+def _peek(raw: bytes, path: str, piecewise: bool) -> Any:
+    try:
+        return peek_body(raw, path, "m", 32 << 20, KEY, piecewise)
+    except CrossbarError as e:
+        return e.status, e.message
+
+
+# ------------------------------------------------------------------ 1. a float cut by a window
+
+
+@pytest.mark.parametrize("text", [
+    '{"a":     11111111111111.5}',    # the window ends just after the point
+    '{"a":   1.55555555555555e5}',    # ... just after the exponent mark
+    '{"a":   1.55555555555555e-5}',   # ... just after the exponent's sign
+    '{"a":    1.5555555555555E+5}',
+])
+def test_a_float_cut_after_its_point_or_exponent_mark_is_read_as_json_loads_reads_it(text: str) -> None:
+    with mock.patch.object(jsonpieces, "WINDOW", 24):
+        assert _outcome(jsonpieces.loads, text) == _outcome(READ_WHOLE, text)
+
+
+@pytest.mark.parametrize("prefix, number_tail", [('{"prompt":"hi","a":1.', "e5}"),   # cut after "e"
+                                                  ('{"prompt":"hi","a":', ".5}")])   # cut after "."
+def test_a_float_shorter_than_a_window_is_peeked_piecewise_as_whole(prefix: str, number_tail: str) -> None:
+    digits = "5" if number_tail == "e5}" else "1"
+    raw = (prefix + digits * (W - len(prefix)) + number_tail).encode()  # the number: W - 17 characters
+    assert len(raw) - len(prefix) < W
+    assert _peek(raw, COMPLETIONS, True) == _peek(raw, COMPLETIONS, False)
+
+
+# ------------------------------------------------------------------ 2. a large string that ends the text
+
+
+@pytest.mark.parametrize("tail", ["\\", "\\u1234", "\\ud83d\\ude00"])
+def test_a_large_string_ending_the_text_in_an_escape_is_refused_as_json_loads_refuses_it(tail: str) -> None:
+    text = '"' + "x" * 100 + tail
+    with mock.patch.object(jsonpieces, "WINDOW", 24):
+        assert _outcome(jsonpieces.loads, text) == _outcome(READ_WHOLE, text)
+
+
+def test_a_truncated_body_ending_in_a_backslash_is_refused_alike_piecewise_or_not() -> None:
+    raw = b'{"prompt": "' + b"x" * 70_000 + b"\\"  # a client cut short mid-escape
+    assert _peek(raw, COMPLETIONS, True) == _peek(raw, COMPLETIONS, False)
+
+
+# ------------------------------------------------------------------ 3. a sink's refusal and a run of numbers
+
+
+def test_a_sinks_refusal_comes_before_a_too_long_number_after_it_in_a_run() -> None:
+    """`_Reader.array`: 'What the sink refuses in an element is raised before any error in the text
+    after that element'. So it is when the long number ends the array, and so it was before."""
+    last = b'{"messages": [1, ' + b"9" * 5000 + b"]}"
+    in_run = b'{"messages": [1, ' + b"9" * 5000 + b", 2]}"
+    assert _peek(last, CHAT, True) == (400, "messages[0] must be an object")
+    assert _peek(in_run, CHAT, True) == (400, "messages[0] must be an object")
+
+
+# ------------------------------------------------------------------ 4. white space read in one call
+
+
+class _Spy:
+    """A compiled pattern whose `match` records how many characters each call read."""
+
+    def __init__(self, pattern: Any, spans: list[int]) -> None:
+        self.pattern, self.spans = pattern, spans
+
+    def match(self, string: str, pos: int = 0, endpos: int = sys.maxsize) -> Any:
+        found = self.pattern.match(string, pos, endpos)
+        self.spans.append(found.end() - pos if found else 0)
+        return found
+
+
+def test_no_white_space_match_reads_more_than_a_window() -> None:
+    spans: list[int] = []
+    text = '{"a": [1' + " " * 100 + ", 2" + " " * 100 + "]" + " " * 100 + "}" + " " * 100
+    with mock.patch.object(jsonpieces, "WINDOW", 24), \
+            mock.patch.object(jsonpieces, "_WS", _Spy(jsonpieces._WS, spans)), \
+            mock.patch.object(jsonpieces, "_COMMA", _Spy(jsonpieces._COMMA, spans)):
+        assert jsonpieces.loads(text) == json.loads(text)
+    assert max(spans) <= 24
+
+
+async def _peek_off_loop(raw: bytes, path: str) -> Any:
+    try:
+        return await peek_body_off_loop(raw, path, "m", 32 << 20, KEY)
+    except CrossbarError as e:
+        return e.status, e.message  # `e` (and what it holds) is let go here, on the loop
+
+
+async def test_trailing_white_space_does_not_hold_the_event_loop() -> None:
+    raw = b'{"model":"m","prompt":"hi"}' + b" " * (30 << 20)
+    gap, peek = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+    assert peek.model == "m"
+    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"
+
+
+# ------------------------------------------------------------------ 5. what is freed at once
+
+
+@pytest.fixture
+def no_collector() -> Any:
+    """The cyclic collector off, so that a stall measured is the freeing's own, not a collection's."""
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_the_top_level_object_read_a_member_at_a_time_is_left_for_dismantle() -> None:
+    """`loads`: 'The arrays and objects read a member at a time ... are added to `large`': the
+    top-level object always is read a member at a time, but is not added."""
+    large: list[Any] = []
+    value = jsonpieces.loads(json.dumps({f"k{i}": [] for i in range(50_000)}), large=large)
+    assert any(container is value for container in large)
+
+
+async def test_a_body_of_many_members_is_not_freed_at_once_on_the_loops_time(no_collector: Any) -> None:
+    members = jsonpieces.MAX_MEMBERS - 3
+    raw = b'{"model":"m","prompt":"hi",' + b"".join(b'"k%d":[[]],' % i for i in range(members)) + b'"z":0}'
+    gap, peek = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+    assert peek.model == "m"
+    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"
+
+
+def test_an_object_of_more_members_than_the_bound_is_refused() -> None:
+    """Growing a dict rehashes it in one call: 2M members held the interpreter 50 ms."""
+    members = b"".join(b'"k%d":0,' % i for i in range(jsonpieces.MAX_MEMBERS))
+    raw = b'{"model":"m","prompt":"hi",' + members + b'"z":0}'
+    assert _peek(raw, COMPLETIONS, True) == (
+        400, f"request body refused: an object has more than {jsonpieces.MAX_MEMBERS} members")
+
+
+def _window_of_empty_lists() -> str:
+    return "[" + ",".join(["[]"] * 20_000) + "]"  # 60k characters: read whole, 20k lists
+
+
+async def test_dismantling_an_array_of_window_sized_values_does_not_hold_the_loop(no_collector: Any) -> None:
+    raw = ('{"model":"m","prompt":"hi","x":[' + ",".join([_window_of_empty_lists()] * 300) + "]}").encode()
+    gap, peek = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+    assert peek.model == "m"
+    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"
+
+
+async def test_a_sink_batch_of_window_sized_values_is_not_freed_at_once(no_collector: Any) -> None:
+    raw = ('{"model":"m","prompt":[' + ",".join([_window_of_empty_lists()] * 300) + "]}").encode()
+    gap, peek = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+    assert peek.model == "m"
+    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"
+
+
+# ------------------------------------------------------------------ 6. a refused large body
+
+
+def _largest_held(error: BaseException) -> int:
+    """The longest list or dict a local of a frame in `error`'s chained tracebacks holds."""
+    longest = 0
+    exc: BaseException | None = error
+    while exc is not None:
+        tb = exc.__traceback__
+        while tb is not None:
+            for value in tb.tb_frame.f_locals.values():
+                if isinstance(value, list | dict):
+                    longest = max(longest, len(value))
+            tb = tb.tb_next
+        exc = exc.__context__
+    return longest
+
+
+def test_a_refused_body_does_not_keep_its_partial_parse_alive_in_the_error() -> None:
+    raw = b'{"model":"m","prompt":"hi","x":{"y":[' + b"[]," * 200_000 + b"]}}"  # a trailing comma
+    with pytest.raises(CrossbarError) as refused:
+        peek_body(raw, COMPLETIONS, "m", 32 << 20, KEY, piecewise=True)
+    assert refused.value.message.startswith("request body is not valid JSON: Expecting value")
+    assert _largest_held(refused.value) < 4096
+
+
+async def test_a_refused_large_body_is_not_freed_at_once_on_the_loops_time(no_collector: Any) -> None:
+    raw = b'{"model":"m","prompt":"hi","x":{"y":[' + b"[]," * 3_000_000 + b"]}}"
+    gap, refusal = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+    assert refusal[0] == 400
+    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"
+
+
+# ------------------------------------------------------------------ 7. cost of nesting
+
+
+def test_a_nested_value_a_little_larger_than_a_window_costs_about_what_json_loads_costs() -> None:
+    """A 66 KB body (over 16384 commas: peeked off the loop, piecewise) of one array nested 200
+    deep around 33k zeros: every level is scanned twice to a window's end before being read a
+    member at a time."""
+    text = '{"prompt":"hi","x":' + "[" * 200 + "0," * 33_000 + "0" + "]" * 200 + "}"
+    started = time.perf_counter()
+    assert jsonpieces.loads(text) == READ_WHOLE(text)
+    piecewise = time.perf_counter() - started
+    started = time.perf_counter()
+    READ_WHOLE(text)
+    whole = time.perf_counter() - started
+    assert piecewise < 20 * whole + 0.01, f"{piecewise * 1000:.0f} ms against {whole * 1000:.1f} ms"
