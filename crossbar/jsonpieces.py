@@ -13,8 +13,8 @@ digits already is); values nested some 300 levels deep inside values too large f
 nested too deeply (the scanner alone takes about 1000 levels); an object of more than MAX_MEMBERS
 members is refused.
 
-A parsed value too large for a window is also slow to free at once: `loads` tells the caller
-which of its arrays and objects were read a member at a time, for `dismantle`.
+What was parsed is slow to free at once too: `loads` lists for its caller the arrays and objects
+to `dismantle` a step at a time when it is done with them.
 """
 
 from __future__ import annotations
@@ -119,8 +119,9 @@ def loads(text: str, sinks: Mapping[str, Callable[[], Sink]] | None = None,
     in `sinks` go to a new sink of that name, a batch at a time (a repeated name starts a new one:
     the last wins, as in `json.loads`), which stands in for the array; each batch is `dismantle`d
     once its sink has it. The arrays and objects read a member at a time (too large for one
-    window), the top-level object and, on an error, those left half-read, are added to `large`
-    for the caller to `dismantle` when it is done with the value or the error."""
+    window) or read whole from _ADD_CHARS characters on, the top-level object and, on an error,
+    those left half-read are added to `large`, each after those around it, for the caller to
+    `dismantle` when it is done with the value or the error."""
     reader = _Reader(text, [] if large is None else large)
     at = reader.ws(0)
     if text.startswith("{", at):
