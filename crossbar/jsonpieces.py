@@ -47,6 +47,7 @@ _NUMBER_TEXT = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
 _NUMBER = re.compile(_NUMBER_TEXT)
 _NUMBER_START = frozenset("-0123456789")
 _OPENERS = frozenset("[{")
+_SHORT_TRY = 4096  # characters an array or object gets after a neighbour failed its try (see _whole)
 _NUMBERS = re.compile(rf"(?:{_NUMBER_TEXT}[ \t\n\r]*,[ \t\n\r]*)+")  # each followed by a comma
 
 
@@ -180,12 +181,13 @@ class _Reader:
         may not (it is larger, or malformed: reading it a piece at a time tells which). Kept in
         one function: it runs once per value.
 
-        An array or object that does not fit makes the values that open in the next half window
-        be read a member at a time without trying: each would fail the same way (a value nested
-        300 deep would cost 300 windows), and what is read that way instead is at most half a
-        window per failed try."""
+        An array or object that does not fit makes the arrays and objects that open in the next
+        half window be tried in a short piece of their own (_SHORT_TRY characters): each would
+        likely fail the same way (a value nested 300 deep around a window would cost 300
+        windows), and one that is short still goes to the scanner whole (a nest of 1000 levels in
+        a few kilobytes is more than Python's own recursion takes)."""
         if at < self.untried_before and self.text[at:at + 1] in _OPENERS:
-            return None
+            return self._short(at)
         offset = at - self.base
         if offset < 0 or (self.piece_end - at < WINDOW // 2 and not self.last):
             self._slice(at)
@@ -220,6 +222,27 @@ class _Reader:
                 return None
             self._slice(at)  # perhaps it fits a window of its own
             offset = 0
+
+    def _short(self, at: int) -> tuple[Any, int] | None:
+        """The value at text[at] when it ends within _SHORT_TRY characters, else None."""
+        piece = self.text[at:at + _SHORT_TRY]
+        last = at + len(piece) == len(self.text)
+        try:
+            value, end = _SCAN(piece, 0)
+        except StopIteration as stop:
+            if last:
+                raise _expecting_value(self.text, at + stop.value) from None
+            return None
+        except json.JSONDecodeError as e:
+            if last:
+                raise json.JSONDecodeError(e.msg, self.text, at + e.pos) from None
+            return None
+        if not last and end >= len(piece) - 3:
+            return None
+        if end >= _ADD_CHARS and value:
+            self.large.append(value)
+        self.pace(end)
+        return value, at + end
 
     def _large(self, at: int) -> tuple[Any, int]:
         """The value at text[at] that `_whole` could not read, a piece at a time."""

@@ -25,6 +25,7 @@ from crossbar.errors import CrossbarError, bad_request, not_found, too_large
 from crossbar.guard import DEFAULT_BYTES_PER_TOKEN
 from crossbar.jsonpieces import Sink
 from crossbar.jsonread import UNREAD
+from crossbar.reclaim import collector_paused
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -487,10 +488,11 @@ def peek_body(raw: bytes | None, path: str, default_model: str, max_body: int, f
     if not piecewise and size < OFF_LOOP_BYTES:
         return _peek(raw, path, default_model, fp_key, False, None)
     large: list[Any] = []  # the parsed body's large arrays and objects, emptied a piece at a time
-    try:
-        return _peek(raw, path, default_model, fp_key, True, large)
-    finally:
-        jsonpieces.dismantle(large)
+    with collector_paused():
+        try:
+            return _peek(raw, path, default_model, fp_key, True, large)
+        finally:
+            jsonpieces.dismantle(large)
 
 
 def _peek(raw: bytes | None, path: str, default_model: str, fp_key: bytes, piecewise: bool,

@@ -232,3 +232,28 @@ def test_a_nested_value_a_little_larger_than_a_window_costs_about_what_json_load
     READ_WHOLE(text)
     whole = time.perf_counter() - started
     assert piecewise < 20 * whole + 0.01, f"{piecewise * 1000:.0f} ms against {whole * 1000:.1f} ms"
+
+
+@pytest.mark.parametrize("depth", [340, 1000])
+def test_a_small_deep_value_beside_a_large_one_is_read_as_json_loads_reads_it(depth: int) -> None:
+    """After a large value's failed try, its neighbours were read a member at a time in Python,
+    whose recursion gave out near 330 levels where the scanner's takes a thousand."""
+    text = '{"x":[' + "[" * depth + "]" * depth + ',"' + "y" * W + '"]}'
+    assert jsonpieces.loads(text) == READ_WHOLE(text)
+    raw = text.replace('{"x"', '{"prompt":"hi","x"', 1).encode()
+    assert _peek(raw, COMPLETIONS, True) == _peek(raw, COMPLETIONS, False)
+
+
+async def test_a_body_of_many_small_values_does_not_hold_the_loop_with_the_collector_on() -> None:
+    """Full collections over the parse's millions of containers, run in the worker, held the loop
+    130 ms per 8 MiB; the collector is paused while a large body is peeked."""
+    gc.collect()
+    gc.freeze()  # as crossbar does once started (reclaim.freeze_startup)
+    try:
+        raw = b'{"model":"m","prompt":"hi","x":[' + b"[]," * ((8 << 20) // 3) + b"[]]}"
+        gap, peek = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+    assert peek.model == "m"
+    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import threading
 from pathlib import Path
 
 from harness import crossbar_proxy, recording_upstream, single_host_config, wait_until
 
-from crossbar.reclaim import Reclaimer
+from crossbar.reclaim import Reclaimer, collector_paused
 
 
 class FakeClock:
@@ -61,3 +63,37 @@ async def test_a_large_answer_schedules_a_collection(tmp_path: Path) -> None:
         assert len(await reader.read()) > len(answer)
         writer.close()
         await wait_until(lambda: proxy.addon.reclaimer.collections == 1, what="a collection")
+
+
+def test_the_collector_resumes_when_the_last_of_nested_and_concurrent_pauses_ends() -> None:
+    assert gc.isenabled()
+    entered, release = threading.Barrier(2), threading.Event()
+
+    def other() -> None:
+        with collector_paused():
+            entered.wait()
+            release.wait()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        with collector_paused():
+            entered.wait()
+            with collector_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the other thread's pause goes on
+    finally:
+        release.set()
+        thread.join()
+    assert gc.isenabled()
+
+
+def test_a_pause_begun_with_the_collector_off_leaves_it_off() -> None:
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
