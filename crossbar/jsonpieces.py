@@ -32,9 +32,10 @@ MAX_MEMBERS = 1 << 18  # members of one object (its largest rehash: ~6 ms); more
 _PACE_ITEMS = 256  # values read between two offers of the interpreter to other threads...
 _PACE_CHARS = 1 << 18  # ...or characters, whichever comes first
 # A value read whole of this many characters or more that is a non-empty array or object is added to
-# `large` too, so that every member `dismantle` frees at once holds at most _ADD_CHARS / 2 objects...
+# `large` too, so that what `dismantle` frees in a step is small members (under _ADD_CHARS / 2
+# objects each) or the members of one value read whole (under a window's text in all)...
 _ADD_CHARS = 256
-_FREE_ITEMS = 512  # ...and a step of it frees 64k objects at most (~2 ms; small members: ~0.05 ms)
+_FREE_ITEMS = 512  # ...some 64k objects at most (~2 ms; usual members: ~0.05 ms)
 _FREE_SLICE_S = 0.0005  # the lock is offered once steps have taken this long
 _DECODE_PIECE = 1 << 20  # UTF-8 is decoded a piece at a time: each C call stays short
 
@@ -78,8 +79,9 @@ class Sink(Protocol):
 def dismantle(containers: list[list[Any] | dict[str, Any]]) -> None:
     """Empty `containers` (the last first: `loads` adds a container before those inside it)
     _FREE_ITEMS members at a time, and forget them. Freeing a parsed value at once holds the
-    interpreter lock for as long as building it took (a message of 600k content parts: 50 ms);
-    each member left in a container `loads` added is small (see _ADD_CHARS), so a step is short."""
+    interpreter lock for as long as building it took (a message of 600k content parts: 50 ms).
+    A step frees _FREE_ITEMS members each under _ADD_CHARS characters, or members of one value read
+    in one window: some 64k objects (~2 ms) at most."""
     offered = time.perf_counter()
     while containers:
         container = containers.pop()
