@@ -638,8 +638,9 @@ class Router:
             try:
                 return await self._take_then_settle(ex, placed, gone, settle, reason)
             except HostDown as down:
-                _placing_again(ex, down.host or placed.host)
-                ex.excluded.add(down.host or placed.host)
+                went = down.host or placed.host
+                _placing_again(ex, went)
+                ex.excluded.add(went)
         raise errors.no_healthy_host([], self._poll_wait())
 
     async def follow(self, ex: Exchange, placed: Placement) -> None:

@@ -150,7 +150,7 @@ class _Reader:
         self.base, self.piece = 0, ""
         self.piece_end, self.last = 0, not text  # where the piece ends in the text; whether that is the end
         self.items = self.chars = 0
-        self.untried_before = 0  # values that open before this are read a member at a time untried
+        self.untried_before = 0  # arrays and objects that open before this get a short try only
 
     def pace(self, chars: int) -> None:
         self.items += 1
@@ -180,8 +180,7 @@ class _Reader:
 
     def _whole(self, at: int) -> tuple[Any, int] | None:
         """The value at text[at] read in one C call, when it ends within a window; None when it
-        may not (it is larger, or malformed: reading it a piece at a time tells which). Kept in
-        one function: it runs once per value.
+        may not (it is larger, or malformed: reading it a piece at a time tells which).
 
         An array or object that does not fit makes the arrays and objects that open in the next
         half window be tried in a short piece of their own (_SHORT_TRY characters): each would
@@ -189,62 +188,45 @@ class _Reader:
         windows), and one that is short still goes to the scanner whole (a nest of 1000 levels in
         a few kilobytes is more than Python's own recursion takes)."""
         if at < self.untried_before and self.text[at:at + 1] in _OPENERS:
-            return self._short(at)
+            piece = self.text[at:at + _SHORT_TRY]
+            return self._scan(piece, at, 0, at + len(piece) == len(self.text))
         offset = at - self.base
         if offset < 0 or (self.piece_end - at < WINDOW // 2 and not self.last):
             self._slice(at)
             offset = 0
-        while True:
-            try:
-                value, end = _SCAN(self.piece, offset)
-            except StopIteration as stop:
-                if self.last:
-                    raise _expecting_value(self.text, self.base + stop.value) from None
-            except json.JSONDecodeError as e:
-                if self.last:
-                    raise json.JSONDecodeError(e.msg, self.text, self.base + e.pos) from None
-            except ValueError:  # ConstantRefused, or an integer's digits cut by the window
-                if self.last:
-                    raise
-            else:
-                end += self.base
-                # a number cut by the window ("1." or "1e-" read as 1) ends within its last 3 characters
-                if end < self.piece_end - 3 or self.last:
-                    if end - at >= _ADD_CHARS and value and isinstance(value, list | dict):
-                        self.large.append(value)
-                    self.items += 1
-                    self.chars += end - at
-                    if self.items >= _PACE_ITEMS or self.chars >= _PACE_CHARS:
-                        self.items = self.chars = 0
-                        let_others_run()
-                    return value, end
-            if not offset:
-                if self.text[at:at + 1] in _OPENERS:
-                    self.untried_before = at + WINDOW // 2
-                return None
-            self._slice(at)  # perhaps it fits a window of its own
-            offset = 0
+        found = self._scan(self.piece, self.base, offset, self.last)
+        if found is None and offset:  # perhaps it fits a window of its own
+            self._slice(at)
+            found = self._scan(self.piece, at, 0, self.last)
+        if found is None and self.text[at:at + 1] in _OPENERS:
+            self.untried_before = at + WINDOW // 2
+        return found
 
-    def _short(self, at: int) -> tuple[Any, int] | None:
-        """The value at text[at] when it ends within _SHORT_TRY characters, else None."""
-        piece = self.text[at:at + _SHORT_TRY]
-        last = at + len(piece) == len(self.text)
+    def _scan(self, piece: str, base: int, offset: int, last: bool) -> tuple[Any, int] | None:
+        """The value at piece[offset] (text[base + offset]; `last`: the piece runs to the end of
+        the text) read in one C call, and where it ends in the text; None when the piece may have
+        cut it short. An error in a piece that runs to the end is the text's own."""
         try:
-            value, end = _SCAN(piece, 0)
+            value, end = _SCAN(piece, offset)
         except StopIteration as stop:
             if last:
-                raise _expecting_value(self.text, at + stop.value) from None
+                raise _expecting_value(self.text, base + stop.value) from None
             return None
         except json.JSONDecodeError as e:
             if last:
-                raise json.JSONDecodeError(e.msg, self.text, at + e.pos) from None
+                raise json.JSONDecodeError(e.msg, self.text, base + e.pos) from None
             return None
+        except ValueError:  # ConstantRefused, or an integer's digits cut by the piece
+            if last:
+                raise
+            return None
+        # a number cut by the piece ("1." or "1e-" read as 1) ends within its last 3 characters
         if not last and end >= len(piece) - 3:
             return None
-        if end >= _ADD_CHARS and value:
+        if end - offset >= _ADD_CHARS and value and isinstance(value, list | dict):
             self.large.append(value)
-        self.pace(end)
-        return value, at + end
+        self.pace(end - offset)
+        return value, base + end
 
     def _large(self, at: int) -> tuple[Any, int]:
         """The value at text[at] that `_whole` could not read, a piece at a time."""

@@ -20,6 +20,7 @@ from mitmproxy import options
 from mitmproxy.tools.dump import DumpMaster
 
 from crossbar.addons import Runtime, make_addon
+from crossbar.addons.listeners import SWITCH_INTERVAL
 from llamasim import SimConfig, SimServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -421,8 +422,6 @@ async def fleet_with_route(tmp_path: Path, specs: Mapping[str, HostSpec], **top:
 async def largest_loop_gap(run: Callable[[], Awaitable[Any]]) -> tuple[float, Any]:
     """The event loop's longest pause (s) while `run` runs, seen by a 1 ms ticker, with the
     interpreter's switch interval crossbar sets; and what `run` gave."""
-    from crossbar.addons.listeners import SWITCH_INTERVAL
-
     loop = asyncio.get_running_loop()
     gaps: list[float] = []
     done = False
