@@ -14,7 +14,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from harness import largest_loop_gap
+from harness import within_loop_gap
 
 from crossbar import jsonpieces
 from crossbar.errors import CrossbarError
@@ -126,9 +126,8 @@ async def _peek_off_loop(raw: bytes, path: str) -> Any:
 
 async def test_trailing_white_space_does_not_hold_the_event_loop() -> None:
     raw = b'{"model":"m","prompt":"hi"}' + b" " * (30 << 20)
-    gap, peek = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+    peek = await within_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS), 0.03)
     assert peek.model == "m"
-    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"
 
 
 # ------------------------------------------------------------------ 5. what is freed at once
@@ -153,10 +152,9 @@ def test_the_top_level_object_read_a_member_at_a_time_is_left_for_dismantle() ->
 async def test_a_body_of_many_members_is_not_freed_at_once_on_the_loops_time(no_collector: Any) -> None:
     members = jsonpieces.MAX_MEMBERS - 3
     raw = b'{"model":"m","prompt":"hi",' + b"".join(b'"k%d":[[]],' % i for i in range(members)) + b'"z":0}'
-    gap, peek = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+    peek = await within_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS), 0.05)
     assert peek.model == "m"
     # the dict's last rehash (~6 ms) and its freeing bounded; 2M members held it 50 ms and more
-    assert gap < 0.05, f"the event loop stalled {gap * 1000:.0f} ms"
 
 
 def test_an_object_of_more_members_than_the_bound_is_refused() -> None:
@@ -173,16 +171,14 @@ def _window_of_empty_lists() -> str:
 
 async def test_dismantling_an_array_of_window_sized_values_does_not_hold_the_loop(no_collector: Any) -> None:
     raw = ('{"model":"m","prompt":"hi","x":[' + ",".join([_window_of_empty_lists()] * 300) + "]}").encode()
-    gap, peek = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+    peek = await within_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS), 0.03)
     assert peek.model == "m"
-    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"
 
 
 async def test_a_sink_batch_of_window_sized_values_is_not_freed_at_once(no_collector: Any) -> None:
     raw = ('{"model":"m","prompt":[' + ",".join([_window_of_empty_lists()] * 300) + "]}").encode()
-    gap, peek = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+    peek = await within_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS), 0.03)
     assert peek.model == "m"
-    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"
 
 
 # ------------------------------------------------------------------ 6. a refused large body
@@ -213,9 +209,8 @@ def test_a_refused_body_does_not_keep_its_partial_parse_alive_in_the_error() -> 
 
 async def test_a_refused_large_body_is_not_freed_at_once_on_the_loops_time(no_collector: Any) -> None:
     raw = b'{"model":"m","prompt":"hi","x":{"y":[' + b"[]," * 3_000_000 + b"]}}"
-    gap, refusal = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+    refusal = await within_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS), 0.03)
     assert refusal[0] == 400
-    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"
 
 
 # ------------------------------------------------------------------ 7. cost of nesting
@@ -252,9 +247,8 @@ async def test_a_body_of_many_small_values_does_not_hold_the_loop_with_the_colle
     gc.freeze()  # as crossbar does once started (reclaim.freeze_startup)
     try:
         raw = b'{"model":"m","prompt":"hi","x":[' + b"[]," * ((8 << 20) // 3) + b"[]]}"
-        gap, peek = await largest_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS))
+        peek = await within_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS), 0.03)
         assert gc.isenabled()
     finally:
         gc.unfreeze()
     assert peek.model == "m"
-    assert gap < 0.03, f"the event loop stalled {gap * 1000:.0f} ms"

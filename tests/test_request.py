@@ -8,7 +8,7 @@ from unittest import mock
 from urllib.parse import quote
 
 import pytest
-from harness import largest_loop_gap
+from harness import within_loop_gap
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -906,10 +906,10 @@ def test_a_small_body_of_many_values_is_peeked_off_the_loop_and_a_piece_at_a_tim
 
 
 async def test_peeking_a_small_body_of_many_values_does_not_hold_the_event_loop() -> None:
-    gap, peek = await largest_loop_gap(lambda: peek_body_off_loop(
-        tiny_values_body(OFF_LOOP_BYTES - 1), "/v1/completions", "m", 32 << 20, b"k" * 32))
+    # it was 300-500 ms
+    peek = await within_loop_gap(lambda: peek_body_off_loop(
+        tiny_values_body(OFF_LOOP_BYTES - 1), "/v1/completions", "m", 32 << 20, b"k" * 32), 0.1)
     assert peek.model == "m"
-    assert gap < 0.1, f"the event loop stalled {gap * 1000:.0f} ms"  # it was 300-500 ms
 
 
 @pytest.mark.parametrize("bulk", ["content parts", "token ids", "escaped text"])
@@ -923,6 +923,5 @@ async def test_peeking_a_body_whose_bulk_is_one_value_does_not_hold_the_event_lo
         "escaped text": (CHAT, {"messages": [{"role": "user", "content": "ab\n" * 7_000_000}]}),
     }[bulk]
     raw = json.dumps(body).encode()
-    gap, peek = await largest_loop_gap(lambda: peek_body_off_loop(raw, path, "m", 32 << 20, KEY))
+    peek = await within_loop_gap(lambda: peek_body_off_loop(raw, path, "m", 32 << 20, KEY), 0.05)
     assert peek.model == "m"
-    assert gap < 0.05, f"the event loop stalled {gap * 1000:.0f} ms"
