@@ -232,7 +232,13 @@ class Router:
         ex.on_end(partial(self.live.discard, ex))
         if ex.completion:
             self.leases.hold(ex.key)
-            ex.on_end(lambda: self.leases.unhold(ex.key, time.time()))
+            ex.on_end(partial(self._unhold, ex))
+
+    def _unhold(self, ex: Exchange) -> None:
+        """The request ended: its conversation's last use is now. That use is written with the
+        request's row (`_account`, which `finish` asks for after the ending), in the pass over
+        every request that ended meanwhile, rather than on its own."""
+        self.leases.unhold(ex.key, time.time(), save=False)
 
     def estimate(self, ex: Exchange, host: str = "") -> int:
         """Estimated prompt tokens of a completion (0 for reads): on `host`, from what its replies
@@ -734,18 +740,20 @@ class Router:
         self.metrics.rejected.inc((str(reason),))
 
     def finish(self, ex: Exchange) -> None:
-        """The request's one ending: what placement learns from it at once, its row and metrics
-        soon (`account_finished`), then everything it held is given back. Runs once; the release
-        runs even when learning raises."""
+        """The request's one ending: what placement learns from it at once, then everything it
+        held is given back, then its row, metrics and lease use are made soon
+        (`account_finished`). Runs once; the release and the accounting run even when learning
+        raises."""
         if ex.finished:
             return
         try:
             if ex.completion:
                 ex.total_ms = ex.elapsed_ms()
-                self._account_soon(ex)
                 self._learn(ex)
         finally:
             ex.end()
+            if ex.completion:
+                self._account_soon(ex)
 
     def _learn(self, ex: Exchange) -> None:
         u = ex.usage
@@ -788,6 +796,7 @@ class Router:
 
     def _account(self, ex: Exchange) -> None:
         self.store.record_request(ex.row())
+        self.leases.save_use(ex.key)  # its last use, set when it ended (`_unhold`)
         host = ex.host or ""
         route = self.route_label(ex.route)
         m = self.metrics

@@ -202,14 +202,22 @@ class LeaseTable:
         """A request of this conversation is queued or in flight."""
         self._held[key] += 1
 
-    def unhold(self, key: Key, now: float) -> None:
-        """That request ended: the conversation was last used now."""
+    def unhold(self, key: Key, now: float, save: bool = True) -> None:
+        """That request ended: the conversation was last used now (written unless `save` is False:
+        the caller writes it later with `save_use`)."""
         self._held[key] -= 1
         if self._held[key] <= 0:
             del self._held[key]
         lease = self._leases.get(key)
         if lease is not None:
-            self._use(lease, now)
+            self._use(lease, now, save)
+
+    def save_use(self, key: Key) -> None:
+        """Write the conversation's last use as it stands, if it still has a lease: a lease moved,
+        dropped or evicted since was written then, and is never written back."""
+        lease = self._leases.get(key)
+        if lease is not None:
+            self._save(lease, touch=True)
 
     def in_use(self, key: Key) -> bool:
         return self._held[key] > 0
@@ -449,8 +457,8 @@ class LeaseTable:
 
     def _use(self, lease: Lease, now: float, save: bool = True) -> None:
         """The lease was used now. A turn of a conversation held by a request in flight need not
-        be written: the request's end (`unhold`) writes the later time anyway, so each turn costs
-        the database one lease write instead of two."""
+        be written: the request's end (`unhold`, or `save_use` after it) writes the later time
+        anyway, so each turn costs the database one lease write instead of two."""
         lease.last_used = now
         self._leases.move_to_end(lease.key)
         self._by_route[lease.key.route].move_to_end(lease.key)

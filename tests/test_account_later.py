@@ -21,6 +21,7 @@ from crossbar.app import Router
 from crossbar.config import parse_config
 from crossbar.exchange import Exchange
 from crossbar.lease import Key
+from crossbar.placement import Change, LeaseChange
 from crossbar.reload import plan_reload
 from crossbar.tap import SSETap, Usage
 
@@ -230,3 +231,55 @@ async def test_requests_cut_at_shutdown_get_their_rows_before_any_late_hook_retu
         ex.err = "a hook that outlived the cut"  # e.g. a pre-flight that returned afterwards
         (row,) = rows(r)
         assert row.err == "cut: crossbar stopped after drain_timeout"
+
+
+def _stored_last_use(r: Router, key: Key) -> float | None:
+    r.store.flush()
+    return next((row.last_used for row in r.store.leases() if (row.route, row.fp, row.model) == key), None)
+
+
+async def test_a_turns_last_use_is_written_with_its_row_not_on_its_own(tmp_path: Path) -> None:
+    """Each turn's end wrote its conversation's lease on its own, from the hook that ended it;
+    it is written in the accounting pass, with the row."""
+    with router(tmp_path) as r:
+        key = Key("r", "f", "m")
+        r.leases.apply(key, LeaseChange(Change.CREATE, "a"), 100.0)
+        assert _stored_last_use(r, key) == 100.0
+        ex = Exchange(r.cfg.routes["r"], key, CHAT, completion=True, host="a", status=200)
+        r.admit(ex)
+        r.finish(ex)
+        assert _stored_last_use(r, key) == 100.0  # not yet: with the row
+        await asyncio.sleep(app.ACCOUNT_EVERY * 3)
+        assert len(rows(r)) == 1
+        assert _stored_last_use(r, key) == pytest.approx(time.time(), abs=5)
+
+
+@pytest.mark.parametrize("loop_running", [True, False])
+async def test_a_lease_dropped_before_the_pass_is_not_written_back(tmp_path: Path,
+                                                                  loop_running: bool) -> None:
+    with router(tmp_path) as r:
+        key = Key("r", "f", "m")
+        r.leases.apply(key, LeaseChange(Change.CREATE, "a"), 100.0)
+        ex = Exchange(r.cfg.routes["r"], key, CHAT, completion=True, host="a", status=200)
+        r.admit(ex)
+        if loop_running:
+            r.finish(ex)
+            assert r.release_route("r") == 1  # dropped before its use is written
+            r.account_finished()
+        else:
+            await asyncio.to_thread(r.finish, ex)  # accounted at once, after the ending
+            assert _stored_last_use(r, key) == pytest.approx(time.time(), abs=5)
+            r.release_route("r")
+        assert _stored_last_use(r, key) is None
+        assert len(rows(r)) == 1
+
+
+async def test_the_last_use_of_a_turn_ended_while_closing_is_written(tmp_path: Path) -> None:
+    with router(tmp_path) as r:
+        key = Key("r", "f", "m")
+        r.leases.apply(key, LeaseChange(Change.CREATE, "a"), 100.0)
+        ex = Exchange(r.cfg.routes["r"], key, CHAT, completion=True, host="a", status=200)
+        r.admit(ex)
+        r._closing = True  # as `close` sets it: every request is accounted as it ends
+        r.finish(ex)
+        assert _stored_last_use(r, key) == pytest.approx(time.time(), abs=5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from unittest import mock
 
 import pytest
 
@@ -22,17 +23,60 @@ async def test_a_deadline_fires_once_not_before_its_delay_and_at_most_a_tick_lat
     assert armed + 0.1 <= fired[0] <= armed + 0.1 + 0.02 + 0.1  # a tick late at most (+ slack)
 
 
-async def test_cancelled_deadlines_never_fire_and_the_last_one_takes_its_bucket_timer() -> None:
+async def test_cancelled_deadlines_never_fire_and_their_buckets_go_when_due() -> None:
     deadlines, fired = Deadlines(tick=0.05), []
     due_a = deadlines.arm("a", 0.02, lambda: fired.append("a"))
     due_b = deadlines.arm("b", 0.02, lambda: fired.append("b"))
-    assert due_a == due_b  # the same tick: one bucket, one loop timer
+    assert due_a == due_b  # the same tick: one bucket
     deadlines.cancel("a", due_a)
-    assert deadlines._timers  # "b" still waits on it
     deadlines.cancel("b", due_b)
-    assert not deadlines._timers and not deadlines._buckets and len(deadlines) == 0
+    assert len(deadlines) == 0
     await asyncio.sleep(0.15)
     assert fired == []
+    assert not deadlines._buckets and not deadlines._dues and deadlines._timer is None
+
+
+async def test_deadlines_armed_and_cancelled_one_after_another_share_one_loop_timer() -> None:
+    """Each request's deadline is usually cancelled (its first byte) before the next one is armed:
+    a timer per bucket, cancelled with the bucket's last deadline, was a loop timer per request."""
+    loop = asyncio.get_running_loop()
+    deadlines, fired = Deadlines(tick=10.0), []
+    with mock.patch.object(loop, "call_at", wraps=loop.call_at) as call_at:
+        for n in range(100):
+            due = deadlines.arm(n, 30.0, lambda: fired.append("late"))
+            deadlines.cancel(n, due)
+    assert call_at.call_count == 1 and len(deadlines) == 0
+    assert deadlines._timer is not None
+    deadlines._timer.cancel()
+
+
+async def test_an_emptied_bucket_is_skipped_for_the_next_one_that_holds_a_deadline() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines, fired = Deadlines(tick=0.01), []
+    first = deadlines.arm("early", 0.02, lambda: fired.append("early"))
+    deadlines.arm("middle", 0.2, lambda: fired.append("middle"))
+    later = deadlines.arm("late", 0.4, lambda: fired.append("late"))
+    deadlines.cancel("late", later)
+    deadlines.cancel("early", first)
+    await asyncio.sleep(0.1)
+    assert fired == [] and deadlines._timer is not None
+    assert deadlines._timer.when() == pytest.approx(loop.time() + 0.1, abs=0.03)  # the middle one's
+    await asyncio.sleep(0.2)
+    assert fired == ["middle"]
+    assert not deadlines._buckets and deadlines._timer is None  # the emptied later bucket went too
+
+
+async def test_a_handler_that_arms_again_is_fired_again() -> None:
+    deadlines, fired = Deadlines(tick=0.01), []
+
+    def again() -> None:
+        fired.append(len(fired))
+        if len(fired) < 3:
+            deadlines.arm("a", 0.02, again)
+
+    deadlines.arm("a", 0.02, again)
+    await asyncio.sleep(0.3)
+    assert fired == [0, 1, 2] and len(deadlines) == 0 and deadlines._timer is None
 
 
 async def test_cancelling_one_of_a_bucket_leaves_the_others_to_fire() -> None:
