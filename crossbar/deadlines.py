@@ -4,10 +4,12 @@ Nearly every first-byte deadline is cancelled moments after it is armed, by the 
 timer per request (`loop.call_later`) makes each request pay for a timer handle, a push onto the
 loop's heap and a cancellation; so did a timer per bucket cancelled with the bucket's last
 deadline, since a bucket usually empties before the next request arms. Here a deadline joins the
-bucket of the `tick` in which it falls due, and one loop timer, set for the earliest bucket that
-holds a deadline, fires buckets at most `tick` late. Arming and cancelling are a dict insert and
-removal: a bucket emptied by cancellations keeps its place until it falls due, so arming into it
-again costs nothing, and the timer is moved only when a deadline falls due before it.
+bucket of the `tick` in which it falls due, and one loop timer, set for the earliest bucket,
+fires buckets at most `tick` late. Arming and cancelling are a dict insert and removal and a push
+of the bucket's due onto a heap; the timer is moved only when a deadline falls due before it. A
+bucket goes with its last deadline; its due is left on the heap, skipped when it comes up, and the
+heap is rebuilt from the buckets when such dues outnumber them, so memory follows the deadlines
+armed.
 """
 
 from __future__ import annotations
@@ -21,23 +23,21 @@ from collections.abc import Callable, Hashable
 log = logging.getLogger("crossbar")
 
 TICK = 0.05  # seconds a deadline may fire late
+SLACK = 64  # dues of gone buckets the heap may hold beyond twice the buckets before it is rebuilt
 
 
 class Deadlines:
-    """Deadlines on one event loop, each keyed by its owner (one deadline per owner and bucket).
-
-    Memory: one bucket per tick that had a deadline, until that tick passes (an emptied one is an
-    empty dict), so at most the longest delay ÷ `tick` of them: 18,000 at the default
-    `first_byte_timeout` of 900 s, about 2 MB."""
+    """Deadlines on one event loop, each keyed by its owner (one deadline per owner and bucket)."""
 
     def __init__(self, tick: float = TICK) -> None:
         if not tick > 0:
             raise ValueError("tick must be positive")
         self.tick = tick
         self._buckets: dict[int, dict[Hashable, Callable[[], None]]] = {}
-        self._dues: list[int] = []  # a heap of the buckets' dues, each bucket's once
+        self._dues: list[int] = []  # a heap: every bucket's due, and some of buckets gone
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = math.inf  # the bucket the timer is set for
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
         """Deadlines armed and not yet fired or cancelled."""
@@ -53,25 +53,31 @@ class Deadlines:
             bucket = self._buckets[due] = {}
             heapq.heappush(self._dues, due)
         bucket[owner] = call
-        if due < self._timer_due:
+        if loop is not self._timer_loop:  # the first, or a loop that stopped with the timer on it
+            self._set_timer(loop, self._dues[0])
+        elif due < self._timer_due:
             self._set_timer(loop, due)
         return due
 
     def cancel(self, owner: Hashable, due: int) -> None:
         bucket = self._buckets.get(due)
-        if bucket is not None and bucket.pop(owner, None) is not None and not bucket:
-            bucket.clear()  # an emptied dict keeps its table; a cleared one lets it go
+        if bucket is None or bucket.pop(owner, None) is None or bucket:
+            return
+        del self._buckets[due]
+        if len(self._dues) > 2 * len(self._buckets) + SLACK:
+            self._dues = sorted(self._buckets)  # a sorted list is a heap
 
     def _set_timer(self, loop: asyncio.AbstractEventLoop, due: int) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer, self._timer_due = loop.call_at(due * self.tick, self._fire, due), due
+        self._timer = loop.call_at(due * self.tick, self._fire, due)
+        self._timer_due, self._timer_loop = due, loop
 
     def _fire(self, due: int) -> None:
         self._timer, self._timer_due = None, math.inf
         ready = []
         while self._dues and self._dues[0] <= due:
-            bucket = self._buckets.pop(heapq.heappop(self._dues))
+            bucket = self._buckets.pop(heapq.heappop(self._dues), None)
             if bucket:
                 ready.append(bucket)
         self._set_next_timer()
@@ -83,11 +89,9 @@ class Deadlines:
                     log.exception("crossbar: a deadline's handler failed")
 
     def _set_next_timer(self) -> None:
-        """Set the timer for the earliest bucket that holds a deadline; emptied buckets before it
-        go (arming into one again makes it anew)."""
-        dues, buckets = self._dues, self._buckets
-        while dues:
-            if buckets[dues[0]]:
-                self._set_timer(asyncio.get_running_loop(), dues[0])
-                return
-            del buckets[heapq.heappop(dues)]
+        """Set the timer for the earliest bucket; the dues of buckets gone before it go."""
+        dues = self._dues
+        while dues and dues[0] not in self._buckets:
+            heapq.heappop(dues)
+        if dues:
+            self._set_timer(asyncio.get_running_loop(), dues[0])
