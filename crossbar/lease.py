@@ -213,8 +213,9 @@ class LeaseTable:
             self._use(lease, now, save)
 
     def save_use(self, key: Key) -> None:
-        """Write the conversation's last use as it stands, if it still has a lease: a lease moved,
-        dropped or evicted since was written then, and is never written back."""
+        """Write the conversation's lease as it stands now (its last use), if it still has one: a
+        lease moved since is written as moved, and one dropped or evicted since is not written
+        back."""
         lease = self._leases.get(key)
         if lease is not None:
             self._save(lease, touch=True)
