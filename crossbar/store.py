@@ -317,10 +317,26 @@ def _execute_compiled(conn: Connection, found: _Compiled, rows: list[tuple[Any, 
     if found.rows_at < 0:
         conn.exec_driver_sql(found.sql, rows)
         return
-    per_statement = _rows_per_insert(conn, len(found.order))
-    for at in range(0, len(rows), per_statement):
-        chunk = rows[at:at + per_statement]
-        conn.exec_driver_sql(found.many_rows(len(chunk)), tuple(chain.from_iterable(chunk)))
+    at = 0
+    for size in chunk_sizes(len(rows), _rows_per_insert(conn, len(found.order))):
+        chunk = rows[at:at + size]
+        at += size
+        conn.exec_driver_sql(found.many_rows(size), tuple(chain.from_iterable(chunk)))
+
+
+def chunk_sizes(n: int, most: int) -> list[int]:
+    """How `n` rows are cut into multi-row INSERTs of at most `most` rows: as many of `most` as
+    fit, then the rest as powers of two, largest first. The driver keeps each distinct statement
+    it ran prepared (128 of them per connection): with one statement per batch size, a writer
+    under load came to hold that many INSERTs of up to 256 rows, about 30 MB, and prepared a new
+    one for most batches. Cut this way, at most `(most - 1).bit_length() + 1` statements ever exist."""
+    sizes = [most] * (n // most)
+    rest = n % most
+    while rest:
+        size = 1 << (rest.bit_length() - 1)
+        sizes.append(size)
+        rest -= size
+    return sizes
 
 
 def _rows_per_insert(conn: Connection, width: int) -> int:
