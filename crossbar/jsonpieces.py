@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from json.decoder import scanstring
 from typing import Any, Protocol
 
+from crossbar import textjoin
+
 WINDOW = 1 << 16  # characters one C call reads at most
 MAX_MEMBERS = 1 << 18  # members of one object (its largest rehash: ~6 ms); more than any vocabulary
 _PACE_ITEMS = 256  # values read between two offers of the interpreter to other threads...
@@ -103,7 +105,8 @@ def let_others_run() -> None:
 
 
 def decode_utf8(raw: bytes) -> str:
-    """`raw.decode("utf-8")`, a piece at a time for a large body (every piece is one short C call)."""
+    """`raw.decode("utf-8")`, a piece at a time for a large body (every piece is one short C call,
+    and the pieces are joined with the lock let go while they are copied: `textjoin`)."""
     if len(raw) <= _DECODE_PIECE:
         return raw.decode("utf-8")
     decoder = codecs.getincrementaldecoder("utf-8")()
@@ -113,7 +116,7 @@ def decode_utf8(raw: bytes) -> str:
         pieces.append(decoder.decode(view[at:at + _DECODE_PIECE]))
         let_others_run()
     pieces.append(decoder.decode(b"", final=True))
-    return "".join(pieces)
+    return textjoin.join(pieces)
 
 
 def loads(text: str, sinks: Mapping[str, Callable[[], Sink]] | None = None,
@@ -260,7 +263,7 @@ class _Reader:
                 break
             start = stop
         if text.startswith('"', stop):
-            return "".join(parts), stop + 1
+            return textjoin.join(parts), stop + 1
         raise self._string_error(at, start, stop)
 
     def _string_error(self, at: int, start: int, stop: int) -> json.JSONDecodeError:
