@@ -4,8 +4,9 @@ interpreter lock with the event loop.
 The standard library's scanner holds the lock for as long as one value takes to read: a request
 whose bulk sat in one message (600k content parts, 23 MiB) held it 0.22 s, and every stream with
 it. `loads` reads no more than WINDOW characters in one C call: a value that ends within a window
-is read by the scanner in one call; a larger array or object one member at a time, a larger string
-a window at a time. Between pieces the lock is offered to other threads.
+is read by the scanner in one call; a larger array or object one member at a time (a run of an
+array's numbers, or of its objects, that a window holds in one call), a larger string a window at
+a time. Between pieces the lock is offered to other threads.
 
 The result, and the kind and position of an error, are those of `json.loads` (NaN and ±Infinity
 refused), but for three refusals: a number longer than a window is too long (an integer over 4300
@@ -52,6 +53,7 @@ _NUMBER_START = frozenset("-0123456789")
 _OPENERS = frozenset("[{")
 _SHORT_TRY = 4096  # characters an array or object gets after a neighbour failed its try (see _whole)
 _NUMBERS = re.compile(rf"(?:{_NUMBER_TEXT}[ \t\n\r]*,[ \t\n\r]*)+")  # each followed by a comma
+_OBJECT_TRIES = 3  # closing braces followed by a comma where a run of objects may end (see _objects)
 
 
 class ConstantRefused(ValueError):
@@ -155,8 +157,8 @@ class _Reader:
         self.items = self.chars = 0
         self.untried_before = 0  # arrays and objects that open before this get a short try only
 
-    def pace(self, chars: int) -> None:
-        self.items += 1
+    def pace(self, chars: int, items: int = 1) -> None:
+        self.items += items
         self.chars += chars
         if self.items >= _PACE_ITEMS or self.chars >= _PACE_CHARS:
             self.items = self.chars = 0
@@ -282,7 +284,8 @@ class _Reader:
 
     def array(self, at: int, sink: Sink | None = None) -> tuple[Any, int]:
         """The array that opens at text[at], one element at a time; with a `sink`, the elements go
-        to it _PACE_ITEMS at a time (and are dropped: nothing piles up for the garbage collector)
+        to it _PACE_ITEMS at a time, or a run read in one call at a time (and are dropped: nothing
+        piles up for the garbage collector)
         and the sink stands in for the array. What the sink refuses in an element is raised
         before any error in the text after that element, as if it had been handed each one as it
         was read."""
@@ -307,12 +310,47 @@ class _Reader:
             hand_over()
         return sink, at
 
+    def _objects(self, at: int) -> tuple[list[Any], int] | None:
+        """The run of objects at text[at], each followed by a comma, that a window holds, read in
+        one C call, and where the element after it starts; None when no such run was found.
+
+        The run ends at one of the window's last _OBJECT_TRIES closing braces that a comma
+        follows: "[" + the text up to that brace + "]" reads as an array only when the brace
+        closes an element of this array (one inside an element, or inside a string, leaves that
+        element open), so a cut in the wrong place is refused by the scanner, never misread. What
+        it refuses for any other reason (an error, a constant, a number too long, nesting too
+        deep) is left to the reading one value at a time, which says where and hands over what
+        came before it. When the run's objects average _ADD_CHARS characters or more, they are
+        added to `large`, as values read whole that large are."""
+        piece = self.text[at:at + WINDOW]
+        end = len(piece)
+        for _ in range(_OBJECT_TRIES):
+            close = piece.rfind("}", 0, end)
+            if close < 0:
+                return None
+            end = close
+            separator = _COMMA.match(piece, close + 1)
+            if separator is None or separator.end() == len(piece):
+                continue
+            try:
+                values, stop = _SCAN("[" + piece[:close + 1] + "]", 0)
+            except (ValueError, StopIteration, RecursionError):
+                continue
+            if stop != close + 3:
+                continue
+            if close + 1 >= _ADD_CHARS * len(values):
+                self.large += [value for value in values if value]
+            self.pace(close + 1, len(values))
+            return values, at + separator.end()
+        return None
+
     def _items(self, at: int, items: list[Any], batch_full: Callable[[], None] | None) -> int:
         text, comma, whole = self.text, _COMMA.match, self._whole
         at = self.ws(at + 1)
         if text.startswith("]", at):
             return at + 1
         one_by_one_until = 0  # a run that held a number too long for an integer is read one by one
+        objects_from = 0  # after a failed try at a run of objects, the next is tried from here on
         while True:
             numbers = (_NUMBERS.match(text, at, at + WINDOW)
                        if at >= one_by_one_until and text[at:at + 1] in _NUMBER_START else None)
@@ -325,7 +363,12 @@ class _Reader:
                 items += values
                 self.pace(len(run))
                 at = self.ws(numbers.end()) if numbers.end() == at + WINDOW else numbers.end()
+            elif at >= objects_from and text.startswith("{", at) and (found := self._objects(at)):
+                values, at = found  # a run of objects (chat messages, say): one C call for all of them
+                items += values
             else:
+                if at >= objects_from and text.startswith("{", at):
+                    objects_from = at + WINDOW
                 item, at = whole(at) or self._large(at)
                 items.append(item)
             if batch_full is not None and len(items) >= _PACE_ITEMS:

@@ -143,6 +143,8 @@ def test_no_single_call_reads_more_than_a_window(bulk: str) -> None:
 
 
 def test_the_interpreter_is_offered_to_other_threads_as_a_large_value_is_read() -> None:
+    """At least once a window: one C call reads a window at most (a run of small objects, read
+    in one call, is offered after as its many values)."""
     offers = 0
 
     def offer() -> None:
@@ -154,4 +156,51 @@ def test_the_interpreter_is_offered_to_other_threads_as_a_large_value_is_read() 
             mock.patch.object(jsonpieces, "let_others_run", offer):
         started = time.perf_counter()
         jsonpieces.loads(text)
-    assert offers >= 20000 // 256, (offers, time.perf_counter() - started)
+    assert offers >= len(text) // (1 << 16), (offers, time.perf_counter() - started)
+
+
+_object_strings = _strings | st.sampled_from(["},", "}, {", '"},{"', "{", "}", ",", "a}, b", "\\"])
+_small_objects = st.dictionaries(
+    _object_strings, st.none() | st.integers(-99, 99) | _object_strings
+    | st.lists(st.integers(0, 9) | _object_strings, max_size=3)
+    | st.dictionaries(_object_strings, st.integers(0, 9) | _object_strings, max_size=2), max_size=3)
+
+
+@settings(max_examples=400, deadline=None)
+@given(objects=st.lists(_small_objects, max_size=40), window=st.sampled_from([32, 64, 256]), data=st.data())
+def test_runs_of_small_objects_are_read_as_json_loads_reads_them(objects: list[Any], window: int,
+                                                                  data: Any) -> None:
+    """A window's run of objects is read in one C call, ending at a brace that a comma follows:
+    braces and commas inside strings and nested values, cuts in every place, and errors after,
+    inside and before a run are read and refused as `json.loads` reads and refuses them."""
+    texts = [json.dumps({"messages": objects, "tools": [{"t": 1}, {"t": 2}], "end": {"e": 0}}),
+             json.dumps([objects, {"x": 1}, objects], indent=1), json.dumps(objects, separators=(",", ":"))]
+    text = data.draw(st.sampled_from(texts))
+    at = data.draw(st.integers(0, len(text)))
+    broken = text[:at] + data.draw(_breakers | st.just("NaN")) + text[at + data.draw(st.integers(0, 2)):]
+    with mock.patch.object(jsonpieces, "WINDOW", window):
+        assert _outcome(jsonpieces.loads, text) == _outcome(READ_WHOLE, text), text
+        assert _outcome(jsonpieces.loads, broken) == _outcome(READ_WHOLE, broken), broken
+
+
+def test_a_run_of_objects_goes_to_the_sink_in_order_and_its_refusal_comes_before_a_later_error() -> None:
+    seen: list[Any] = []
+
+    class Refuse:
+        def extend(self, items: Any) -> None:
+            for item in items:
+                if item.get("bad"):
+                    raise ValueError(f"refused {item['n']}")
+                seen.append(item["n"])
+
+    messages = [{"n": i, "role": "user"} for i in range(3000)]
+    good = json.dumps({"messages": messages})
+    with mock.patch.object(jsonpieces, "WINDOW", 1 << 12):
+        assert isinstance(jsonpieces.loads(good, {"messages": Refuse})["messages"], Refuse)
+        assert seen == list(range(3000))
+        seen.clear()
+        messages[1500]["bad"] = True
+        broken = json.dumps({"messages": messages})[:-40] + "NaN]}"  # an error after the refused one
+        with pytest.raises(ValueError, match="refused 1500"):
+            jsonpieces.loads(broken, {"messages": Refuse})
+    assert seen == list(range(1500))
