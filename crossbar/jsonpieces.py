@@ -161,8 +161,11 @@ class _Reader:
         self.items += items
         self.chars += chars
         if self.items >= _PACE_ITEMS or self.chars >= _PACE_CHARS:
-            self.items = self.chars = 0
-            let_others_run()
+            self.offer()
+
+    def offer(self) -> None:
+        self.items = self.chars = 0
+        let_others_run()
 
     def value(self, at: int) -> tuple[Any, int]:
         """The value that starts at text[at] and where it ends."""
@@ -335,8 +338,10 @@ class _Reader:
             try:
                 values, stop = _SCAN("[" + piece[:close + 1] + "]", 0)
             except (ValueError, StopIteration, RecursionError):
+                self.offer()  # a refused try may have read most of the window
                 continue
             if stop != close + 3:
+                self.offer()
                 continue
             if close + 1 >= _ADD_CHARS * len(values):
                 self.large += [value for value in values if value]

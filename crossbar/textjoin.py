@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
 FROM_CHARS = 1 << 20  # smaller results are joined by `"".join`: its hold of the lock is short
 
@@ -38,28 +38,31 @@ def _ascii_header() -> int | None:
 
 
 def _allocator() -> Callable[[int, int], str] | None:
+    """`PyUnicode_New` through a prototype of its own: `ctypes.pythonapi.PyUnicode_New` is shared
+    by the whole process, and whoever set its result type last would decide what `join` gets."""
+    prototype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_ssize_t, ctypes.c_uint32)
     try:
-        new = ctypes.pythonapi.PyUnicode_New
+        return prototype(("PyUnicode_New", ctypes.pythonapi))  # type: ignore[no-any-return]
     except AttributeError:
         return None
-    new.restype = ctypes.py_object
-    new.argtypes = (ctypes.c_ssize_t, ctypes.c_uint32)
-    return new  # type: ignore[no-any-return]
 
 
 _HEADER = _ascii_header()
 _NEW = _allocator() if _HEADER is not None else None
 
 
-def join(pieces: Sequence[str]) -> str:
-    """`"".join(pieces)`; a large result of ASCII pieces is copied with the interpreter lock let go."""
-    size = sum(map(len, pieces))
+def join(pieces: Iterable[str]) -> str:
+    """`"".join(pieces)`; a large result of ASCII pieces is copied with the interpreter lock let go.
+    The pieces are taken once, into a tuple that holds them: what is copied is what was counted,
+    whatever happens to a list they came in while the lock is let go."""
+    taken = tuple(pieces)
+    size = sum(map(len, taken))
     if (_NEW is None or _HEADER is None or size < FROM_CHARS
-            or not all(type(p) is str and p.isascii() for p in pieces)):
-        return "".join(pieces)
+            or not all(type(p) is str and p.isascii() for p in taken)):
+        return "".join(taken)
     out = _NEW(size, 127)  # compact ASCII, its characters not yet written
     at = id(out) + _HEADER
-    for piece in pieces:
+    for piece in taken:
         ctypes.memmove(at, id(piece) + _HEADER, len(piece))
         at += len(piece)
     return out

@@ -204,3 +204,28 @@ def test_a_run_of_objects_goes_to_the_sink_in_order_and_its_refusal_comes_before
         with pytest.raises(ValueError, match="refused 1500"):
             jsonpieces.loads(broken, {"messages": Refuse})
     assert seen == list(range(1500))
+
+
+def test_refused_tries_at_a_run_of_objects_offer_the_interpreter_too() -> None:
+    """Braces that a comma follows, inside strings cut by the window's end: each try at a run
+    scans most of a window and is refused; three such scans came one after another with the
+    interpreter never offered between them."""
+    text = "[" + ", ".join(['{"a": "' + "x}," * 3000 + '"}'] * 300) + "]"
+    tries = most = 0
+    real_scan = jsonpieces._SCAN
+
+    def scan(piece: str, at: int) -> Any:
+        nonlocal tries, most
+        if at == 0 and piece.startswith("[{"):  # a try at a run
+            tries += 1
+            most = max(most, tries)
+        return real_scan(piece, at)
+
+    def offer() -> None:
+        nonlocal tries
+        tries = 0
+
+    with mock.patch.object(jsonpieces, "WINDOW", 1 << 16), mock.patch.object(jsonpieces, "_SCAN", scan), \
+            mock.patch.object(jsonpieces, "let_others_run", offer):
+        assert jsonpieces.loads(text) == READ_WHOLE(text)
+    assert most <= 2  # a run read is paced as values are; after a refused try the lock is offered

@@ -4,7 +4,9 @@ interpreter lock is let go."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from harness import within_loop_gap
@@ -63,3 +65,50 @@ async def test_reading_a_string_value_of_many_windows_does_not_hold_the_event_lo
     text = '{"model":"m","prompt":"' + "word " * (6 << 20) + '"}'
     value = await within_loop_gap(lambda: asyncio.to_thread(jsonpieces.loads, text), 0.01)
     assert value["model"] == "m" and len(value["prompt"]) == 30 << 20
+
+
+def test_pieces_given_by_an_iterator_are_joined() -> None:
+    """They were counted, checked and copied in three passes: an iterator gave nothing to the
+    copy, and the result was whatever the fresh memory held."""
+    pieces = ["a" * BIG, "b" * BIG]
+    assert textjoin.join(iter(pieces)) == "".join(pieces)
+    assert textjoin.join(p for p in pieces) == "".join(pieces)
+
+
+def _in_a_process_of_its_own(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_a_result_type_set_on_the_shared_function_elsewhere_does_not_change_join() -> None:
+    """`ctypes.pythonapi.PyUnicode_New` is one object for the whole process: with its result type
+    set to an address by other code, `join` copied a MiB into an int (a segmentation fault)."""
+    done = _in_a_process_of_its_own(
+        "import ctypes\n"
+        "from crossbar import textjoin\n"
+        "ctypes.pythonapi.PyUnicode_New.restype = ctypes.c_void_p\n"
+        "pieces = ['x' * (1 << 20), 'y']\n"
+        "assert textjoin.join(pieces) == ''.join(pieces)\n"
+        "print('joined')\n")
+    assert (done.returncode, done.stdout.strip()) == (0, "joined"), done.stderr[-2000:]
+
+
+def test_a_list_that_grows_while_its_pieces_are_copied_is_joined_as_it_was_taken() -> None:
+    """The copies let go of the lock: a list another thread appended to meanwhile was copied past
+    the end of the result (a segmentation fault)."""
+    done = _in_a_process_of_its_own(
+        "import threading, time\n"
+        "from crossbar import textjoin\n"
+        "pieces = ['x' * (1 << 20)] * 8\n"
+        "stop = False\n"
+        "def grow():\n"
+        "    while not stop:\n"
+        "        pieces.append('x' * (1 << 20)); time.sleep(0)\n"
+        "t = threading.Thread(target=grow); t.start()\n"
+        "for _ in range(20):\n"
+        "    out = textjoin.join(pieces)\n"
+        "    assert len(out) % (1 << 20) == 0 and out.count('x') == len(out)\n"
+        "    del pieces[8:]\n"
+        "stop = True; t.join()\n"
+        "print('joined')\n")
+    assert (done.returncode, done.stdout.strip()) == (0, "joined"), done.stderr[-2000:]
