@@ -23,6 +23,7 @@ from crossbar.request import (
     MODEL_MAX,
     OFF_LOOP_BYTES,
     BodyPeek,
+    _ChatTally,
     _content_text_bytes,
     _digest,
     _tool_call_bytes,
@@ -925,3 +926,65 @@ async def test_peeking_a_body_whose_bulk_is_one_value_does_not_hold_the_event_lo
     raw = json.dumps(body).encode()
     peek = await within_loop_gap(lambda: peek_body_off_loop(raw, path, "m", 32 << 20, KEY), 0.05)
     assert peek.model == "m"
+
+
+_roles = (st.sampled_from(["user", "assistant", "system", "developer", "tool", "usér"])
+          | st.none() | st.just(7))
+_contents = (st.sampled_from(["", "hi", "a, b", "é", "x" * 300]) | st.none()
+             | st.just([{"type": "text", "text": "part"}]) | st.just(3))
+_messages = st.one_of(
+    st.builds(lambda r, c: {"role": r, "content": c}, _roles, _contents),
+    st.builds(lambda r: {"role": r, "content": "ok",
+                         "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}, _roles),
+    st.builds(lambda: {"content": "no role"}), st.just("not an object"), st.just(["a list"]))
+_plain = st.builds(lambda r, c: {"role": r, "content": c},
+                   st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+                   st.sampled_from(["", "hi", "a, b", "x" * 300]))
+_near_plain = st.sampled_from([  # one thing off a plain message
+    {"role": "user", "content": "é"}, {"role": "usér", "content": "x"}, {"role": "user", "content": None},
+    {"role": "user", "content": ["part"]}, {"role": 7, "content": "x"}, {"content": "x"}, "text",
+    {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}])
+
+
+def _tally(batches: list[list[Any]]) -> Any:
+    tally = _ChatTally()
+    try:
+        for batch in batches:
+            tally.extend(batch)
+    except CrossbarError as e:
+        return "refused", e.message
+    return tally.count, tally.prompt_bytes, tally.system, tally.user
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=st.lists(_plain, min_size=30, max_size=120) | st.lists(_messages | _plain, max_size=120),
+       cuts=st.lists(st.integers(1, 120), max_size=3), odd=st.integers(0, 130), data=st.data())
+def test_a_batch_of_plain_messages_is_tallied_as_one_message_at_a_time_tallies_it(
+        messages: list[Any], cuts: list[int], odd: int, data: Any) -> None:
+    """Large batches of plain messages (ASCII role and content strings, no tool calls) are tallied
+    in passes that run in C; any other batch, and what is refused, stay the per-message loop's."""
+    if messages and odd < len(messages):
+        messages[odd] = data.draw(_near_plain | _messages | _plain)
+    batches, at = [], 0
+    for cut in sorted(cuts):
+        batches.append(messages[at:cut])
+        at = max(at, cut)
+    batches.append(messages[at:])
+    with mock.patch("crossbar.request._PLAIN_BATCH", 10 ** 9):
+        expected = _tally(batches)
+    assert _tally(batches) == expected
+
+
+@pytest.mark.parametrize("odd", [
+    {"role": "user", "content": "é"}, {"role": "usér", "content": "x"}, {"role": "user", "content": None},
+    {"role": "user", "content": [{"type": "text", "text": "part"}]}, {"role": 7, "content": "x"},
+    {"content": "x"}, "text", {"role": "system", "content": "x", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}"}}]}, {"role": "developer", "content": "late system"}])
+@pytest.mark.parametrize("where", [0, 20, 39])
+def test_one_message_off_plain_in_a_large_batch_is_tallied_as_the_loop_does(odd: Any, where: int) -> None:
+    batch: list[Any] = [{"role": ("assistant", "user", "tool")[i % 3], "content": f"m{i}"} for i in range(40)]
+    batch[where] = odd
+    with mock.patch("crossbar.request._PLAIN_BATCH", 10 ** 9):
+        expected = _tally([batch])
+    assert _tally([batch]) == expected
+    assert _tally([batch[:where], batch[where:]]) == expected  # however the batches are cut
