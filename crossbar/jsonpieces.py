@@ -156,6 +156,7 @@ class _Reader:
         self.piece_end, self.last = 0, not text  # where the piece ends in the text; whether that is the end
         self.items = self.chars = 0
         self.untried_before = 0  # arrays and objects that open before this get a short try only
+        self.runs_from = 0  # after a failed try at a run of objects, the next is tried from here on
 
     def pace(self, chars: int, items: int = 1) -> None:
         self.items += items
@@ -324,7 +325,11 @@ class _Reader:
         it refuses for any other reason (an error, a constant, a number too long, nesting too
         deep) is left to the reading one value at a time, which says where and hands over what
         came before it. When the run's objects average _ADD_CHARS characters or more, they are
-        added to `large`, as values read whole that large are."""
+        added to `large`, as values read whole that large are. After a failed try, none is made
+        again within the next window of text."""
+        if at < self.runs_from:
+            return None
+        self.runs_from = at + WINDOW  # unless this try finds a run
         piece = self.text[at:at + WINDOW]
         end = len(piece)
         for _ in range(_OBJECT_TRIES):
@@ -346,6 +351,7 @@ class _Reader:
             if close + 1 >= _ADD_CHARS * len(values):
                 self.large += [value for value in values if value]
             self.pace(close + 1, len(values))
+            self.runs_from = 0
             return values, at + separator.end()
         return None
 
@@ -355,7 +361,6 @@ class _Reader:
         if text.startswith("]", at):
             return at + 1
         one_by_one_until = 0  # a run that held a number too long for an integer is read one by one
-        objects_from = 0  # after a failed try at a run of objects, the next is tried from here on
         while True:
             numbers = (_NUMBERS.match(text, at, at + WINDOW)
                        if at >= one_by_one_until and text[at:at + 1] in _NUMBER_START else None)
@@ -368,12 +373,10 @@ class _Reader:
                 items += values
                 self.pace(len(run))
                 at = self.ws(numbers.end()) if numbers.end() == at + WINDOW else numbers.end()
-            elif at >= objects_from and text.startswith("{", at) and (found := self._objects(at)):
+            elif text.startswith("{", at) and (found := self._objects(at)):
                 values, at = found  # a run of objects (chat messages, say): one C call for all of them
                 items += values
             else:
-                if at >= objects_from and text.startswith("{", at):
-                    objects_from = at + WINDOW
                 item, at = whole(at) or self._large(at)
                 items.append(item)
             if batch_full is not None and len(items) >= _PACE_ITEMS:
