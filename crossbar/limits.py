@@ -53,6 +53,7 @@ DEADLINE_CHECK = 1.0  # seconds between looks at a deadline set while a read was
 LINGER_SECONDS = 2.0
 TRIM_AFTER = 1024 * 1024  # an unfinished upload larger than this returns its memory to the system
 HEAD, LENGTH, CHUNKED, BAD = "head", "length", "chunked", "bad"
+_H2_PREFACE = b"PRI * HTTP/2"  # how an HTTP/2 connection begins (as far as it reads as a request line)
 ANSWERED = "crossbar.answered"  # flow.metadata: the flow's answer was counted as written
 
 
@@ -310,7 +311,7 @@ class RequestFramer:
             self._fresh = False
             # TLS (mitmproxy would answer the handshake with a certificate of its own) or HTTP/2:
             # what it carries would pass beneath these limits
-            if data[:1] == b"\x16" or data.startswith(b"PRI * HTTP/2"):
+            if data[:1] == b"\x16" or data.startswith(_H2_PREFACE):
                 return b"", not_plain_http()
         if self.state == LENGTH and len(data) < self._remaining:
             self._remaining -= len(data)
@@ -384,6 +385,8 @@ class RequestFramer:
             return len(data), None
         if len(head) > self.max_head:
             return len(data), head_too_large(self.max_head)
+        if not self.heads and head.startswith(_H2_PREFACE):  # first read: a part of it, or blank lines
+            return len(data), not_plain_http()
         if has_folded_line(head):
             return len(data), folded_header()
         self.state, self._remaining = body_framing(head)

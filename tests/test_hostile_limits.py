@@ -700,6 +700,22 @@ def test_tls_and_http2_are_refused() -> None:
         assert out == b"" and refusal is not None and refusal.status == 400
 
 
+@pytest.mark.parametrize("cut", range(1, 18))
+@pytest.mark.parametrize("before", [b"", b"\r\n"])
+def test_an_http2_preface_in_pieces_is_refused(cut: int, before: bytes) -> None:
+    # its first read a prefix of the preface (or blank lines, which the framer skips): held back as
+    # an unfinished request line, it would reach mitmproxy whole once the rest arrived
+    preface = before + b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00" * 64
+    framer = RequestFramer(max_head=1024, max_body=100)
+    passed = b""
+    for piece in (preface[:cut], preface[cut:]):
+        out, refusal = framer.feed(piece)
+        passed += out
+        if refusal is not None:
+            break
+    assert passed == b"" and refusal is not None and refusal.status == 400
+
+
 @pytest.mark.parametrize(("body", "verdict"), [
     (b"3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n", (21, "done")),
     (b"3;name=value \r\nabc\r\n0\r\n\n", (24, "done")),  # an extension, blanks; a bare LF at the end
@@ -862,6 +878,23 @@ async def test_framing_mitmproxy_would_misread_or_refuse_is_crossbars_json_400(t
         assert r.sim.stats.completions_started == 1  # the good chat only
         log = r.log()
         assert "Traceback" not in log and "has crashed" not in log and "('127.0.0.1', 1)" not in log
+
+
+async def test_an_http2_preface_in_pieces_or_after_blank_lines_is_crossbars_json_400(tmp_path: Path) -> None:
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + SETTINGS
+    async with rig(tmp_path) as r:
+        for pieces in ([preface[:5], preface[5:]], [b"\r\n", preface]):
+            reader, writer = await connect(r.port)
+            for piece in pieces:
+                writer.write(piece)
+                with suppress(ConnectionError):
+                    await writer.drain()
+                await asyncio.sleep(0.05)
+            status, headers, body = await answer(reader)
+            writer.close()
+            assert_json_error(status, headers, body, 400)
+        await chat_ok(r.port)
+        assert "Traceback" not in r.log()
 
 
 async def test_a_valid_chunked_chat_with_an_extension_is_served(tmp_path: Path) -> None:
