@@ -222,11 +222,13 @@ def test_a_nested_value_a_little_larger_than_a_window_costs_about_what_json_load
     member at a time."""
     text = '{"prompt":"hi","x":' + "[" * 200 + "0," * 33_000 + "0" + "]" * 200 + "}"
     assert jsonpieces.loads(text) == READ_WHOLE(text)
-    # the quickest of three runs each: a cost that grows with the nesting grows in every run, a
-    # collection or a busy machine does not (one run in five took twice its usual 24 ms)
-    piecewise = min(_seconds(lambda: jsonpieces.loads(text)) for _ in range(3))
-    whole = min(_seconds(lambda: READ_WHOLE(text)) for _ in range(3))
-    assert piecewise < 20 * whole + 0.01, f"{piecewise * 1000:.0f} ms against {whole * 1000:.1f} ms"
+    # the quickest of five runs each, taken in turn: a cost that grows with the nesting grows in
+    # every run, a collection or a busy moment does not. Read piecewise it takes about 20 times
+    # json.loads (26-49 ms against 1.3-2.6 ms on one machine within minutes); two windows scanned
+    # a level took 600 ms (over 200 times)
+    runs = [(_seconds(lambda: jsonpieces.loads(text)), _seconds(lambda: READ_WHOLE(text))) for _ in range(5)]
+    piecewise, whole = min(p for p, _ in runs), min(w for _, w in runs)
+    assert piecewise < 60 * whole + 0.03, f"{piecewise * 1000:.0f} ms against {whole * 1000:.1f} ms"
 
 
 def _seconds(run: Callable[[], Any]) -> float:
