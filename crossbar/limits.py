@@ -53,7 +53,7 @@ DEADLINE_CHECK = 1.0  # seconds between looks at a deadline set while a read was
 LINGER_SECONDS = 2.0
 TRIM_AFTER = 1024 * 1024  # an unfinished upload larger than this returns its memory to the system
 HEAD, LENGTH, CHUNKED, BAD = "head", "length", "chunked", "bad"
-_H2_PREFACE = b"PRI * HTTP/2"  # how an HTTP/2 connection begins (as far as it reads as a request line)
+_H2_PREFACE = b"PRI * HTTP/2"  # an HTTP/2 connection's start: mitmproxy closes on it, at any request
 ANSWERED = "crossbar.answered"  # flow.metadata: the flow's answer was counted as written
 
 
@@ -355,7 +355,7 @@ class RequestFramer:
         """The usual read: exactly one request, its head within the limits and its body (none, or
         a `Content-Length` one within `max_body`) complete. Counted as `feed` would count it; any
         other read (False) goes through `feed`'s general path."""
-        if data[:1] in (b"\r", b"\n"):
+        if data[:1] in (b"\r", b"\n") or data.startswith(_H2_PREFACE):
             return False
         end = _head_end(data, 0, self.max_head + 4)
         if end < 0 or end > self.max_head or has_folded_line(head := data[:end]):
@@ -385,7 +385,7 @@ class RequestFramer:
             return len(data), None
         if len(head) > self.max_head:
             return len(data), head_too_large(self.max_head)
-        if not self.heads and head.startswith(_H2_PREFACE):  # first read: a part of it, or blank lines
+        if head.startswith(_H2_PREFACE):  # in pieces, after blank lines, or after a request
             return len(data), not_plain_http()
         if has_folded_line(head):
             return len(data), folded_header()

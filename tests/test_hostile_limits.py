@@ -700,20 +700,31 @@ def test_tls_and_http2_are_refused() -> None:
         assert out == b"" and refusal is not None and refusal.status == 400
 
 
+_GET = b"GET /r/health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
 @pytest.mark.parametrize("cut", range(1, 18))
-@pytest.mark.parametrize("before", [b"", b"\r\n"])
+@pytest.mark.parametrize("before", [b"", b"\r\n", _GET])
 def test_an_http2_preface_in_pieces_is_refused(cut: int, before: bytes) -> None:
-    # its first read a prefix of the preface (or blank lines, which the framer skips): held back as
-    # an unfinished request line, it would reach mitmproxy whole once the rest arrived
-    preface = before + b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00" * 64
+    # its first read a prefix of the preface (or blank lines, which the framer skips, or a request
+    # before it): held back as an unfinished request line, it reached mitmproxy whole once the
+    # rest arrived, and mitmproxy closes the connection on it without an answer
+    stream = before + b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00" * 64
     framer = RequestFramer(max_head=1024, max_body=100)
     passed = b""
-    for piece in (preface[:cut], preface[cut:]):
+    for piece in (stream[:len(before) + cut], stream[len(before) + cut:]):
         out, refusal = framer.feed(piece)
         passed += out
         if refusal is not None:
             break
-    assert passed == b"" and refusal is not None and refusal.status == 400
+    assert passed == before.lstrip() and refusal is not None and refusal.status == 400
+
+
+def test_an_http2_preface_alone_in_a_read_after_a_request_is_refused() -> None:
+    framer = RequestFramer(max_head=1024, max_body=100)
+    assert framer.feed(_GET) == (_GET, None)
+    out, refusal = framer.feed(b"PRI * HTTP/2.0\r\n\r\n")
+    assert out == b"" and refusal is not None and refusal.status == 400
 
 
 @pytest.mark.parametrize(("body", "verdict"), [
@@ -880,19 +891,23 @@ async def test_framing_mitmproxy_would_misread_or_refuse_is_crossbars_json_400(t
         assert "Traceback" not in log and "has crashed" not in log and "('127.0.0.1', 1)" not in log
 
 
-async def test_an_http2_preface_in_pieces_or_after_blank_lines_is_crossbars_json_400(tmp_path: Path) -> None:
+async def test_an_http2_preface_in_pieces_or_after_a_request_is_crossbars_json_400(tmp_path: Path) -> None:
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + SETTINGS
     async with rig(tmp_path) as r:
-        for pieces in ([preface[:5], preface[5:]], [b"\r\n", preface]):
+        for pieces in ([preface[:5], preface[5:]], [b"\r\n", preface], [head("GET", "/r/health"), preface]):
             reader, writer = await connect(r.port)
             for piece in pieces:
                 writer.write(piece)
                 with suppress(ConnectionError):
                     await writer.drain()
                 await asyncio.sleep(0.05)
-            status, headers, body = await answer(reader)
+            raw = await asyncio.wait_for(reader.read(), 10)
             writer.close()
-            assert_json_error(status, headers, body, 400)
+            if len(pieces) == 2 and pieces[0].startswith(b"GET"):  # its answer first, then the refusal
+                status, headers, _ = split_response(raw)
+                assert status == 200
+                raw = raw[raw.index(b"\r\n\r\n") + 4 + int(headers["content-length"]):]
+            assert_json_error(*split_response(raw), 400)
         await chat_ok(r.port)
         assert "Traceback" not in r.log()
 
