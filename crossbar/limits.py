@@ -309,9 +309,9 @@ class RequestFramer:
         returned with a refusal is complete data mitmproxy may still have)."""
         if self._fresh and data:
             self._fresh = False
-            # TLS (mitmproxy would answer the handshake with a certificate of its own) or HTTP/2:
-            # what it carries would pass beneath these limits
-            if data[:1] == b"\x16" or data.startswith(_H2_PREFACE):
+            # TLS: mitmproxy would answer the handshake with a certificate of its own, and what it
+            # carries would pass beneath these limits (HTTP/2's preface is refused as a head)
+            if data[:1] == b"\x16":
                 return b"", not_plain_http()
         if self.state == LENGTH and len(data) < self._remaining:
             self._remaining -= len(data)
