@@ -112,7 +112,9 @@ class LeaseTable:
         # host → how many leases it holds (every route and model): kept as leases come and go
         self._on_host: Counter[str] = Counter()
         self._pins: dict[str, str] = {}
-        self._held: Counter[Key] = Counter()
+        # requests queued or in flight per conversation (a plain dict: Counter's missing-key and
+        # delete paths are Python calls on every request)
+        self._held: dict[Key, int] = {}
         # conversations whose lease idled out, and the host it was on (bounded like the table):
         # their next turn is recorded as a move for idleness, not as a new conversation
         self._idled: OrderedDict[Key, str] = OrderedDict()
@@ -152,7 +154,7 @@ class LeaseTable:
             pin=self._pins.get(key.route, ""),
             host=host,
             last_used=lease.last_used if lease else 0.0,
-            busy=self._held[key] > (1 if own else 0),
+            busy=self._held.get(key, 0) > (1 if own else 0),
             parent=parent.host if parent else "",
             route_hosts=self.route_hosts(key.route, key.model) if read else (),
             idled=self._idled.get(key, ""),
@@ -200,14 +202,15 @@ class LeaseTable:
 
     def hold(self, key: Key) -> None:
         """A request of this conversation is queued or in flight."""
-        self._held[key] += 1
+        held = self._held
+        held[key] = held.get(key, 0) + 1
 
     def unhold(self, key: Key, now: float, save: bool = True) -> None:
         """That request ended: the conversation was last used now (written unless `save` is False:
         the caller writes it later with `save_use`)."""
-        self._held[key] -= 1
-        if self._held[key] <= 0:
-            del self._held[key]
+        count = self._held.pop(key, 0) - 1
+        if count > 0:
+            self._held[key] = count
         lease = self._leases.get(key)
         if lease is not None:
             self._use(lease, now, save)
@@ -221,7 +224,7 @@ class LeaseTable:
             self._save(lease, touch=True)
 
     def in_use(self, key: Key) -> bool:
-        return self._held[key] > 0
+        return self._held.get(key, 0) > 0
 
     def has(self, key: Key) -> bool:
         return key in self._leases

@@ -4,6 +4,7 @@ the request at its host, and the one retry after a 5xx (which mitmproxy cannot r
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import socket
 from collections.abc import Iterable
@@ -12,8 +13,6 @@ from typing import Any
 import aiohttp
 from mitmproxy import http
 from mitmproxy.net.http import url
-
-from crossbar.headers import has as has_header
 
 # hop-by-hop headers (RFC 9110 §7.6.1) plus those the client library sets itself
 _DROP = frozenset({
@@ -80,8 +79,29 @@ def point_at(request: http.Request, scheme: str, host: str, port: int, path: str
     data.port = port
     data.path = path.encode("utf-8", "surrogateescape")
     data.authority = b""
-    if has_header(data.headers, b"host"):
-        data.headers["Host"] = url.hostport(scheme, host, port)
+    fields = data.headers.fields
+    hosts = [at for at, (name, _) in enumerate(fields) if name.lower() == b"host"]
+    if hosts:  # `headers["Host"] = ...` in one pass, without mitmproxy's per-field Python calls
+        data.headers.fields = _host_set(fields, hosts, _host_value(scheme, host, port))
+
+
+Fields = tuple[tuple[bytes, bytes], ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _host_value(scheme: str, host: str, port: int) -> bytes:
+    """The Host header's value for a host, encoded as mitmproxy's `Headers` stores it."""
+    return url.hostport(scheme, host, port).encode("utf-8", "surrogateescape")
+
+
+def _host_set(fields: Fields, hosts: list[int], value: bytes) -> Fields:
+    """`fields` with the first Host field's value replaced (its name as the client wrote it) and
+    the other Host fields (at `hosts`) gone: what `Headers.__setitem__` does."""
+    first = hosts[0]
+    rest = fields[first + 1:]
+    if len(hosts) > 1:
+        rest = tuple(field for field in rest if field[0].lower() != b"host")
+    return (*fields[:first], (fields[first][0], value), *rest)
 
 
 def forward_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -79,12 +79,18 @@ def _by_setters(r: http.Request, scheme: str, host: str, port: int, path: str) -
     ("http", "10.0.0.5", 8080), ("http", "llama-1.lan", 80), ("https", "llama-1.lan", 443),
     ("https", "llama-1.lan", 8443), ("http", "::1", 8080), ("http", "bücher.example", 8080),
 ])
-@pytest.mark.parametrize("host_header", [True, False])
+@pytest.mark.parametrize("host_fields", [
+    [], [(b"Host", b"127.0.0.1:7777")], [(b"HOST", b"a:1")],
+    [(b"accept", b"*/*"), (b"host", b"a:1"), (b"x-one", b"1"), (b"Host", b"b:2"), (b"x-two", b"2"),
+     (b"hOsT", b"c")],
+    [(b"x-host", b"not it"), (b"hosts", b"nor this"), (b"host", b"")],
+])
 @pytest.mark.parametrize("authority", [b"", b"client.example:7777"])
-def test_point_at_does_what_mitmproxys_setters_do(scheme: str, host: str, port: int, host_header: bool,
+def test_point_at_does_what_mitmproxys_setters_do(scheme: str, host: str, port: int,
+                                                 host_fields: list[tuple[bytes, bytes]],
                                                  authority: bytes) -> None:
     def request() -> http.Request:
-        headers = http.Headers(host="127.0.0.1:7777") if host_header else http.Headers()
+        headers = http.Headers(host_fields)
         r = tutils.treq(host="127.0.0.1", port=7777, path=b"/r/v1/chat/completions?x=1", headers=headers)
         r.data.authority = authority
         return r
@@ -93,4 +99,5 @@ def test_point_at_does_what_mitmproxys_setters_do(scheme: str, host: str, port: 
     point_at(ours, scheme, host, port, "/base/v1/chat/completions")
     _by_setters(theirs, scheme, host, port, "/base/v1/chat/completions")
     assert ours.data.get_state() == theirs.data.get_state()
+    assert ours.headers.fields == theirs.headers.fields  # field order and the names' case too
     assert ours.url == theirs.url
