@@ -21,13 +21,8 @@ def value[D](headers: http.Headers, name: bytes, default: D) -> str | D:
     return ", ".join(found) if found else default
 
 
-# `has` and `has_any` build the list of matching names: for the few fields of a request that is
-# quicker than `any()` over a generator, which stops at the first match but is resumed per field.
-
-
-def has(headers: http.Headers, name: bytes) -> bool:
-    """`name in headers`."""
-    return [key for key, _ in headers.fields if key.lower() == name] != []
+# `has_any` builds the list of matching names: for the few fields of a request that is quicker
+# than `any()` over a generator, which stops at the first match but is resumed per field.
 
 
 def has_any(headers: http.Headers, names: frozenset[bytes]) -> bool:
