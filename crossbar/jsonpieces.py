@@ -115,10 +115,14 @@ def _free_list_step(container: list[Any], emptied: set[int]) -> None:
 def _free_dict_step(container: dict[str, Any], emptied: set[int]) -> None:
     left = _FREE_EMPTIED
     for _ in range(min(_FREE_ITEMS, len(container))):
-        if id(container.popitem()[1]) in emptied:
+        value = container.popitem()[1]
+        if id(value) in emptied:
             left -= 1
             if not left:
                 return
+        elif type(value) is str and len(value) >= textjoin.FROM_CHARS:  # a prompt of many MiB
+            textjoin.discard(value)  # its pages go back with the lock let go; not read again
+            return
 
 
 def let_others_run() -> None:

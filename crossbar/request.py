@@ -20,7 +20,7 @@ from itertools import repeat
 from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, quote
 
-from crossbar import jsonpieces, jsonread
+from crossbar import jsonpieces, jsonread, textjoin
 from crossbar.config import RouteConf
 from crossbar.errors import CrossbarError, bad_request, not_found, too_large
 from crossbar.guard import DEFAULT_BYTES_PER_TOKEN
@@ -288,25 +288,40 @@ def _load_object(raw: bytes, sinks: Mapping[str, Callable[[], Sink]] | None = No
 def _load_standard(raw: bytes, piecewise: bool, sinks: Mapping[str, Callable[[], Sink]] | None,
                    large: list[Any] | None = None) -> Any:
     """The standard library's reading of the body, a piece at a time when `piecewise`; what it
-    refuses is a 400 that says why."""
+    refuses is a 400 that says why. A large body's decoded text is handed back to the system here,
+    in the worker (`textjoin.discard`), not left to an error that travels to the event loop."""
     try:
         text = jsonpieces.decode_utf8(raw) if piecewise else raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8") from None
-    try:
-        obj = jsonpieces.loads(text, sinks, large) if piecewise else jsonpieces.DECODER.decode(text)
-    except json.JSONDecodeError as e:
-        reason = f"{e.msg} at line {e.lineno} column {e.colno}"
-        raise bad_request(f"request body is not valid JSON: {reason}") from None
-    except RecursionError:
-        raise bad_request("request body is not valid JSON: nested too deeply") from None
-    except jsonpieces.ConstantRefused as e:
-        raise bad_request(f"request body is not valid JSON: {e}") from None
-    except jsonpieces.TooManyMembers as e:
-        raise bad_request(f"request body refused: {e}") from None
-    except ValueError:  # an integer beyond sys.get_int_max_str_digits()
-        raise bad_request("request body is not valid JSON: a number is too long") from None
+    obj, refusal = _read_text(text, piecewise, sinks, large)
+    textjoin.discard(text)  # not read again
+    del text
+    if refusal is not None:
+        raise refusal
     return obj
+
+
+def _read_text(text: str, piecewise: bool, sinks: Mapping[str, Callable[[], Sink]] | None,
+               large: list[Any] | None) -> tuple[Any, CrossbarError | None]:
+    """The body's value, or None and the error that refuses it, holding nothing of the text (a
+    JSON error holds all of it, and a traceback the reader's frames)."""
+    try:
+        return (jsonpieces.loads(text, sinks, large) if piecewise else jsonpieces.DECODER.decode(text)), None
+    except CrossbarError as e:  # a sink's refusal of a message
+        e.__traceback__ = e.__context__ = e.__cause__ = None
+        return None, e
+    except json.JSONDecodeError as e:
+        where = f"at line {e.lineno} column {e.colno}"
+        return None, bad_request(f"request body is not valid JSON: {e.msg} {where}")
+    except RecursionError:
+        return None, bad_request("request body is not valid JSON: nested too deeply")
+    except jsonpieces.ConstantRefused as e:
+        return None, bad_request(f"request body is not valid JSON: {e}")
+    except jsonpieces.TooManyMembers as e:
+        return None, bad_request(f"request body refused: {e}")
+    except ValueError:  # an integer beyond sys.get_int_max_str_digits()
+        return None, bad_request("request body is not valid JSON: a number is too long")
 
 
 def _content_text_bytes(content: Any, where: str) -> int:
