@@ -9,10 +9,10 @@ array's numbers, or of its objects, that a window holds in one call), a larger s
 a time. Between pieces the lock is offered to other threads.
 
 The result, and the kind and position of an error, are those of `json.loads` (NaN and ±Infinity
-refused), but for three refusals: a number longer than a window is too long (an integer over 4300
+refused), but for four refusals: a number longer than a window is too long (an integer over 4300
 digits already is); values nested some 300 levels deep inside values too large for a window are
 nested too deeply (the scanner alone takes about 1000 levels); an object of more than MAX_MEMBERS
-members is refused.
+members, or with a key of more than MAX_KEY_CHARS characters, is refused.
 
 What was parsed is slow to free at once too: `loads` lists for its caller the arrays and objects
 to `dismantle` a step at a time when it is done with them.
@@ -25,6 +25,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from itertools import compress, count, islice
 from json.decoder import scanstring
 from typing import Any, Protocol
 
@@ -32,6 +33,7 @@ from crossbar import textjoin
 
 WINDOW = 1 << 16  # characters one C call reads at most
 MAX_MEMBERS = 1 << 18  # members of one object (its largest rehash: ~6 ms); more than any vocabulary
+MAX_KEY_CHARS = 1 << 16  # an object key's characters (a dict hashes its key in one call)
 _PACE_ITEMS = 256  # values read between two offers of the interpreter to other threads...
 _PACE_CHARS = 1 << 18  # ...or characters, whichever comes first
 # A value read whole of this many characters or more that is a non-empty array or object is added to
@@ -39,12 +41,14 @@ _PACE_CHARS = 1 << 18  # ...or characters, whichever comes first
 # objects each) or the members of one value read whole (under a window's text in all)...
 _ADD_CHARS = 256
 _FREE_ITEMS = 512  # ...some 64k objects at most (~2 ms; usual members: ~0.05 ms)
-# Members that were themselves dismantled are freed this many per step: each is often the last object
-# left in an arena of the allocator (its members, allocated after it, are gone), which goes back to
-# the system as it is freed (~0.1 ms a 1 MiB arena; 300 at once held the lock 28 ms)
-_FREE_EMPTIED = 8
+# Members that were themselves dismantled from _HEAVY_MEMBERS members or more are freed this many per
+# step: each is often the last object left in an arena of the allocator (its members, allocated after
+# it, are gone), which goes back to the system as it is freed (~0.1 ms a 1 MiB arena; 300 at once held
+# the lock 28 ms). A step's lighter ones free a few arenas at most (512 x 1k members of 72 bytes: 36).
+_FREE_EMPTIED = 16
+_HEAVY_MEMBERS = 1024
 _FREE_SLICE_S = 0.0005  # the lock is offered once steps have taken this long
-_DECODE_PIECE = 1 << 20  # UTF-8 is decoded a piece at a time: each C call stays short
+_DECODE_PIECE = 1 << 18  # UTF-8 decoded per call (1 MiB into the 4 MiB of 1M emoji: 2 ms)
 
 _WS = re.compile(r"[ \t\n\r]*")
 _COMMA = re.compile(r"[ \t\n\r]*,[ \t\n\r]*")
@@ -69,6 +73,11 @@ class TooManyMembers(ValueError):
     call (2M members: 50 ms)."""
 
 
+class KeyTooLong(ValueError):
+    """An object key longer than MAX_KEY_CHARS: a dict hashes its key in one call (32 MiB: 17 ms,
+    32M emoji: 57 ms)."""
+
+
 def _refuse_constant(name: str) -> Any:
     raise ConstantRefused(f"{name} is not allowed")
 
@@ -78,10 +87,11 @@ _SCAN = DECODER.scan_once
 
 
 class Sink(Protocol):
-    """Takes an array's elements a batch at a time; keeps nothing of them but what it derives (a
-    batch is emptied once the sink has it)."""
+    """Takes an array's elements a batch at a time, with the large arrays and objects read in
+    them (see `loads`); keeps nothing of them but what it derives (a batch is emptied once the
+    sink has it)."""
 
-    def extend(self, items: Sequence[Any]) -> None: ...
+    def extend(self, items: Sequence[Any], large: Sequence[Any]) -> None: ...
 
 
 def dismantle(containers: list[list[Any] | dict[str, Any]]) -> None:
@@ -89,39 +99,51 @@ def dismantle(containers: list[list[Any] | dict[str, Any]]) -> None:
     _FREE_ITEMS members at a time, and forget them. Freeing a parsed value at once holds the
     interpreter lock for as long as building it took (a message of 600k content parts: 50 ms).
     A step frees _FREE_ITEMS members each under _ADD_CHARS characters, or members of one value read
-    in one window: some 64k objects (~2 ms) at most, or _FREE_EMPTIED members that were in
-    `containers` themselves (emptied by then)."""
-    emptied = {id(container) for container in containers}  # an id reused meanwhile only makes a step smaller
+    in one window: some 64k objects (~2 ms) at most; of the members emptied here that held
+    _HEAVY_MEMBERS or more, _FREE_EMPTIED at most."""
+    heavy: set[int] = set()  # an id reused meanwhile only makes a step smaller
     offered = time.perf_counter()
     while containers:
         container = containers.pop()
+        members = len(container)
         while container:
             if isinstance(container, list):
-                _free_list_step(container, emptied)
+                _free_list_step(container, heavy)
             else:
-                _free_dict_step(container, emptied)
+                _free_dict_step(container, heavy)
             if time.perf_counter() - offered > _FREE_SLICE_S:
                 let_others_run()
                 offered = time.perf_counter()
+        if members >= _HEAVY_MEMBERS:
+            heavy.add(id(container))
 
 
-def _free_list_step(container: list[Any], emptied: set[int]) -> None:
-    tail = container[-_FREE_ITEMS:]
-    count = len(tail) if emptied.isdisjoint(map(id, tail)) else _FREE_EMPTIED
-    del tail
-    del container[-count:]
+def _free_list_step(container: list[Any], heavy: set[int]) -> None:
+    """Free the last _FREE_ITEMS members of `container`, or fewer: up to the _FREE_EMPTIED-th
+    heavy one from the end."""
+    if heavy and not heavy.isdisjoint(map(id, islice(reversed(container), _FREE_ITEMS))):
+        last = islice(reversed(container), _FREE_ITEMS)
+        from_end = compress(count(1), map(heavy.__contains__, map(id, last)))
+        last_heavy = next(islice(from_end, _FREE_EMPTIED - 1, None), None)
+        del container[-(last_heavy or _FREE_ITEMS):]
+    else:
+        del container[-_FREE_ITEMS:]
 
 
-def _free_dict_step(container: dict[str, Any], emptied: set[int]) -> None:
+def _free_dict_step(container: dict[str, Any], heavy: set[int]) -> None:
+    """Free the last _FREE_ITEMS members of `container`, or fewer: up to the _FREE_EMPTIED-th
+    heavy one, or one large string (its pages handed back first: `textjoin.discard`)."""
     left = _FREE_EMPTIED
     for _ in range(min(_FREE_ITEMS, len(container))):
         value = container.popitem()[1]
-        if id(value) in emptied:
+        if id(value) in heavy:
             left -= 1
             if not left:
                 return
         elif type(value) is str and len(value) >= textjoin.FROM_CHARS:  # a prompt of many MiB
-            textjoin.discard(value)  # its pages go back with the lock let go; not read again
+            only = [value]
+            del value
+            textjoin.discard(only)
             return
 
 
@@ -143,7 +165,11 @@ def decode_utf8(raw: bytes) -> str:
         pieces.append(decoder.decode(view[at:at + _DECODE_PIECE]))
         let_others_run()
     pieces.append(decoder.decode(b"", final=True))
-    return textjoin.join(pieces)
+    text = textjoin.join(pieces)
+    while pieces:  # one at a time: 32 of 4 MiB each (a text of 32M emoji) freed at once took 13 ms
+        del pieces[-1]
+        let_others_run()
+    return text
 
 
 def loads(text: str, sinks: Mapping[str, Callable[[], Sink]] | None = None,
@@ -325,11 +351,11 @@ class _Reader:
         start = len(self.large)  # the containers of the batch being read are added from here
 
         def hand_over() -> None:
+            batch = self.large[start:]
+            del self.large[start:]
             try:
-                sink.extend(items)
+                sink.extend(items, batch)
             finally:  # handed over, even when refused: an error after it hands over only the rest
-                batch = self.large[start:]
-                del self.large[start:]
                 batch.insert(0, items)  # emptied last, as the outermost
                 dismantle(batch)
 
@@ -433,6 +459,8 @@ class _Reader:
             if not text.startswith('"', at):
                 raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
             key, at = self.value(at)
+            if len(key) > MAX_KEY_CHARS:
+                raise KeyTooLong(f"an object key is longer than {MAX_KEY_CHARS} characters")
             at = self.ws(at)
             if not text.startswith(":", at):
                 raise json.JSONDecodeError("Expecting ':' delimiter", text, at)

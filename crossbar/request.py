@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import lru_cache
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -69,6 +69,7 @@ OFF_LOOP_BYTES = 2 * 1024 * 1024
 OFF_LOOP_VALUES = 16_384
 COUNT_FROM = 32 * 1024
 SYSTEM_ROLES = frozenset({"system", "developer"})
+_ROLE_CHARS = max(map(len, SYSTEM_ROLES))  # a longer role is not hashed (a role of 32 MiB: 17 ms)
 _SHOW_MAX = 130  # longest untrusted text quoted in an error message
 
 
@@ -254,16 +255,85 @@ class BodyPeek(NamedTuple):
     n_messages: int
 
 
+_UTF8_SLICE = 1 << 18  # characters of a large text encoded per call to count its UTF-8 bytes
+
+
 def _utf8_len(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    """UTF-8 bytes of `text`; a large one is encoded a slice at a time (each call holds the
+    interpreter lock: an 8M-character text in one call held it 30 ms)."""
+    if text.isascii():
+        return len(text)
+    if len(text) <= _UTF8_SLICE:
+        return len(text.encode("utf-8", "surrogatepass"))
+    return sum(len(text[at:at + _UTF8_SLICE].encode("utf-8", "surrogatepass"))
+               for at in range(0, len(text), _UTF8_SLICE))
 
 
-def _json_len(value: Any) -> int:
-    """UTF-8 bytes of `value` as compact JSON (how a chat template renders tools and arguments)."""
+_RUN_MEMBERS = 256  # members of a large array or object measured per call...
+_RUN_CHARS = 1 << 16  # ...or characters of the strings among them, whichever comes first
+
+
+class _Unwritable(Exception):
+    """orjson cannot write the value (deeper than 254 levels, an integer beyond 64 bits, a lone
+    surrogate): the standard library measures it instead."""
+
+
+def _json_len(value: Any, large: Collection[int] = frozenset()) -> int:
+    """UTF-8 bytes of `value` as compact JSON (how a chat template renders tools and arguments).
+    An array or object whose id is in `large` (a large body's, read a member at a time) is measured
+    a run of members at a time, and a string longer than _UTF8_SLICE a slice at a time: each call
+    holds the interpreter lock, and one for a 23 MiB list of tools held it 70 ms. orjson measures
+    it, else the standard library does, the whole value either way (their numbers differ)."""
+    try:
+        return _measured(value, large, _orjson_len)
+    except _Unwritable:
+        return _measured(value, large, _stdlib_len)
+
+
+def _orjson_len(value: Any) -> int:
     size = jsonread.compact_len(value)
-    if size is not None:
-        return size
+    if size is None:
+        raise _Unwritable
+    return size
+
+
+def _stdlib_len(value: Any) -> int:
     return _utf8_len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
+def _measured(value: Any, large: Collection[int], measure: Callable[[Any], int]) -> int:
+    if type(value) is str and len(value) > _UTF8_SLICE:
+        return 2 + sum(measure(value[at:at + _UTF8_SLICE]) - 2 for at in range(0, len(value), _UTF8_SLICE))
+    if id(value) not in large or not isinstance(value, list | dict):
+        return measure(value)
+    commas = max(0, len(value) - 1)
+    if isinstance(value, list):
+        return 2 + commas + _members_len(value, large, measure)
+    colons = len(value)
+    return 2 + commas + colons + _members_len(list(value), large, measure) \
+        + _members_len(list(value.values()), large, measure)
+
+
+def _members_len(members: Sequence[Any], large: Collection[int], measure: Callable[[Any], int]) -> int:
+    """The sum of `members`' compact JSON bytes: small ones a run per call, the others each
+    measured on its own."""
+    total, run, run_chars = 0, [], 0
+    for member in members:
+        if type(member) is str:
+            if len(member) > _UTF8_SLICE:
+                total += _measured(member, large, measure)
+                continue
+            run_chars += len(member)
+        elif id(member) in large:
+            total += _measured(member, large, measure)
+            continue
+        run.append(member)
+        if len(run) >= _RUN_MEMBERS or run_chars >= _RUN_CHARS:
+            total += measure(run) - 1 - len(run)  # less the brackets and commas of the run
+            run, run_chars = [], 0
+    if run:
+        total += measure(run) - 1 - len(run)
+    return total
 
 
 def _load_object(raw: bytes, sinks: Mapping[str, Callable[[], Sink]] | None = None,
@@ -281,6 +351,9 @@ def _load_object(raw: bytes, sinks: Mapping[str, Callable[[], Sink]] | None = No
     if obj is UNREAD:
         obj = _load_standard(raw, piecewise, sinks, large)
     if not isinstance(obj, dict):
+        only = [obj]  # a text of 32 MiB, say: freed here, not by the error's traceback on the loop
+        del obj
+        textjoin.discard(only)
         raise bad_request("request body must be a JSON object")
     return obj
 
@@ -295,8 +368,9 @@ def _load_standard(raw: bytes, piecewise: bool, sinks: Mapping[str, Callable[[],
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8") from None
     obj, refusal = _read_text(text, piecewise, sinks, large)
-    textjoin.discard(text)  # not read again
+    only = [text]
     del text
+    textjoin.discard(only)
     if refusal is not None:
         raise refusal
     return obj
@@ -318,7 +392,7 @@ def _read_text(text: str, piecewise: bool, sinks: Mapping[str, Callable[[], Sink
         return None, bad_request("request body is not valid JSON: nested too deeply")
     except jsonpieces.ConstantRefused as e:
         return None, bad_request(f"request body is not valid JSON: {e}")
-    except jsonpieces.TooManyMembers as e:
+    except (jsonpieces.TooManyMembers, jsonpieces.KeyTooLong) as e:
         return None, bad_request(f"request body refused: {e}")
     except ValueError:  # an integer beyond sys.get_int_max_str_digits()
         return None, bad_request("request body is not valid JSON: a number is too long")
@@ -347,8 +421,9 @@ def _content_text_bytes(content: Any, where: str) -> int:
     return total + max(texts - 1, 0)
 
 
-def _tool_call_bytes(calls: Any) -> int:
-    """Bytes of an assistant message's tool calls (function names and arguments)."""
+def _tool_call_bytes(calls: Any, large: Collection[int] = frozenset()) -> int:
+    """Bytes of an assistant message's tool calls (function names and arguments); `large`: see
+    `_json_len`."""
     if not isinstance(calls, list):
         return 0
     total = 0
@@ -360,7 +435,7 @@ def _tool_call_bytes(calls: Any) -> int:
             if isinstance(value, str):
                 total += _utf8_len(value)
             elif value is not None:
-                total += _json_len(value)
+                total += _json_len(value, large)
     return total
 
 
@@ -376,11 +451,13 @@ class _ChatTally:
         self.system: bytes | None = None
         self.user: bytes | None = None
 
-    def extend(self, messages: Sequence[Any]) -> None:
+    def extend(self, messages: Sequence[Any], large: Sequence[Any] = ()) -> None:
         """The next messages: a small body's whole list, or a large body's, a batch at a time as
-        it is parsed. The running figures stay in locals for the loop."""
+        it is parsed (`large`: the batch's large arrays and objects, see `_json_len`). The running
+        figures stay in locals for the loop."""
         if len(messages) >= _PLAIN_BATCH and self._extend_plain(messages):
             return
+        large_ids = frozenset(map(id, large))
         prompt_bytes, system, user = self.prompt_bytes, self.system, self.user
         for index, message in enumerate(messages, self.count):
             if not isinstance(message, dict):
@@ -394,10 +471,10 @@ class _ChatTally:
             else:
                 prompt_bytes += _utf8_len(role) + _content_text_bytes(content, f"messages[{index}]")
             if "tool_calls" in message:
-                prompt_bytes += _tool_call_bytes(message["tool_calls"])
+                prompt_bytes += _tool_call_bytes(message["tool_calls"], large_ids)
             if user is None and role == "user":
                 user = _text_prefix(content)
-            elif system is None and role in SYSTEM_ROLES:
+            elif system is None and len(role) <= _ROLE_CHARS and role in SYSTEM_ROLES:
                 system = _text_prefix(content)
         self.count += len(messages)
         self.prompt_bytes, self.system, self.user = prompt_bytes, system, user
@@ -414,6 +491,7 @@ class _ChatTally:
         contents = list(map(dict.get, messages, repeat("content")))
         if (set(map(type, roles)) != {str} or set(map(type, contents)) != {str}
                 or not all(map(str.isascii, roles)) or not all(map(str.isascii, contents))
+                or max(map(len, roles)) > _ROLE_CHARS
                 or any(map(dict.__contains__, messages, repeat("tool_calls")))):
             return False
         self.prompt_bytes += sum(map(len, roles)) + sum(map(len, contents))
@@ -431,9 +509,10 @@ _PLAIN_BATCH = 32  # messages from which a batch is first tried as plain (`_Chat
 _CHAT_SINKS: Mapping[str, Callable[[], Sink]] = {"messages": _ChatTally}
 
 
-def _chat_tally(body: Mapping[str, Any]) -> _ChatTally:
+def _chat_tally(body: Mapping[str, Any], large: Sequence[Any] = ()) -> _ChatTally:
     """Everything the chat template turns into prompt tokens, apart from its own fixed text:
-    the messages' roles, texts and tool calls, and the tool definitions."""
+    the messages' roles, texts and tool calls, and the tool definitions (`large`: the body's large
+    arrays and objects, see `_json_len`)."""
     messages = body.get("messages")
     if isinstance(messages, list):
         tally = _ChatTally()
@@ -444,7 +523,7 @@ def _chat_tally(body: Mapping[str, Any]) -> _ChatTally:
         raise bad_request("'messages' must be a list")
     tools = body.get("tools")
     if isinstance(tools, list) and tools:
-        tally.prompt_bytes += _json_len(tools)
+        tally.prompt_bytes += _json_len(tools, frozenset(map(id, large)) if large else frozenset())
     return tally
 
 
@@ -471,7 +550,7 @@ class _PieceTally:
     def __init__(self) -> None:
         self.prompt_bytes = 0
 
-    def extend(self, items: Sequence[Any]) -> None:
+    def extend(self, items: Sequence[Any], large: Sequence[Any] = ()) -> None:
         self.prompt_bytes += sum(map(_piece_bytes, items))
 
 
@@ -543,7 +622,7 @@ def _peek(raw: bytes | None, path: str, default_model: str, fp_key: bytes, piece
     if raw and path == CHAT_PATH:  # the usual request, before the checks it would pass
         body = _load_object(raw, _CHAT_SINKS, piecewise, large)
         model, stream, include_usage = _common_fields(body, default_model)
-        tally = _chat_tally(body)
+        tally = _chat_tally(body, large or ())
         fp = _digest(tally.system, tally.user, fp_key)
         return BodyPeek(model, stream, include_usage, fp, tally.prompt_bytes, tally.count)
     if path not in COMPLETION_PATHS:
@@ -608,7 +687,7 @@ def fingerprint(messages: Sequence[Mapping[str, Any]], key: bytes) -> str:
         role = message.get("role") if isinstance(message, Mapping) else None
         if not isinstance(role, str):
             continue
-        if system is None and role in SYSTEM_ROLES:
+        if system is None and len(role) <= _ROLE_CHARS and role in SYSTEM_ROLES:
             system = _text_prefix(message.get("content"))
         elif user is None and role == "user":
             user = _text_prefix(message.get("content"))

@@ -12,8 +12,8 @@ the result is first widened by the codec whose bytes are the result's layout (UT
 this machine's byte order), a slice at a time, each a short call that holds the lock.
 
 Freeing such a string holds the lock too, while the system takes its pages back (a 128 MiB one:
-13 ms). `discard` hands the pages back first, with the lock let go (`madvise`), when the caller's
-variable is the string's only reference; the `del` that follows then frees little.
+13 ms). `discard` hands the pages back first, with the lock let go (`madvise`), when the string
+has no other reference than the one it is handed; the freeing that follows is then short.
 
 `join` writes into a string no one else can see yet, which is how the interpreter's own C code
 builds one. Where a string's characters start and how it tells its kind are checked at import by
@@ -108,24 +108,15 @@ _MADVISE = _page_release() if _LAYOUT is not None else None
 _DONTNEED = 4  # MADV_DONTNEED: the pages go back to the system; read again, they are zeros
 
 
-def _references(text: str) -> int:
-    return sys.getrefcount(text)
-
-
-def _sole_references() -> int:
-    """What `_references` counts, called from a function, for a string only that function's
-    caller's variable refers to."""
-    probe = _fresh("crossbar: a string referred to once")
-    return _references(probe)
-
-
 def join(pieces: Iterable[str]) -> str:
     """`"".join(pieces)`; a large result is copied with the interpreter lock let go. The pieces
     are taken once, into a tuple that holds them: what is copied is what was counted, whatever
     happens to a list they came in while the lock is let go."""
     taken = tuple(pieces)
+    if _NEW is None or _LAYOUT is None or not all(type(p) is str for p in taken):
+        return "".join(taken)
     size = sum(map(len, taken))
-    if _NEW is None or _LAYOUT is None or size < FROM_CHARS or not all(type(p) is str for p in taken):
+    if size < FROM_CHARS:
         return "".join(taken)
     states = [_state(piece, _LAYOUT) for piece in taken]
     if not all(state & _COMPACT for state in states):
@@ -155,15 +146,16 @@ def _widened(piece: str, kind: int, at: int) -> int:
     return at
 
 
-def discard(text: str) -> None:
-    """Before the caller drops its one reference to `text` (`del`), hand the pages that hold a
-    large string's characters back to the system with the interpreter lock let go, so that the
-    freeing that follows holds the lock only briefly. `text` must not be read again: its
-    characters are gone. A string referred to from anywhere else than the caller's variable, or
-    smaller than FROM_CHARS, is left as it is."""
-    if _MADVISE is None or _LAYOUT is None or type(text) is not str or len(text) < FROM_CHARS:
-        return
-    if sys.getrefcount(text) != _SOLE:
+def discard(only: list[str]) -> None:
+    """Free the large string `only` holds (a list of one, and the string's only reference: the
+    caller has let go of its own), its pages handed back to the system first with the interpreter
+    lock let go, so that the freeing holds the lock only briefly. `only` is emptied. A string
+    referred to from anywhere else, or smaller than FROM_CHARS, is freed or kept as it would be."""
+    (text,) = only
+    only.clear()
+    alone = object()  # counted as `text` is: a local of this frame, referred to from nowhere else
+    if (_MADVISE is None or _LAYOUT is None or type(text) is not str or len(text) < FROM_CHARS
+            or sys.getrefcount(text) != sys.getrefcount(alone)):
         return
     state = _state(text, _LAYOUT)
     if not state & _COMPACT:
@@ -173,6 +165,3 @@ def discard(text: str) -> None:
     first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
     if last > first:
         _MADVISE(first, last - first, _DONTNEED)
-
-
-_SOLE = _sole_references()

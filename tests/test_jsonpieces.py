@@ -103,7 +103,7 @@ def test_the_elements_of_a_named_top_level_array_go_to_its_sink_a_batch_at_a_tim
     batches: list[int] = []
 
     class Count:
-        def extend(self, items: Any) -> None:
+        def extend(self, items: Any, large: Any) -> None:
             batches.append(len(items))
 
     messages = [{"role": "user", "content": ["part"] * 5}] * 600
@@ -187,7 +187,7 @@ def test_a_run_of_objects_goes_to_the_sink_in_order_and_its_refusal_comes_before
     seen: list[Any] = []
 
     class Refuse:
-        def extend(self, items: Any) -> None:
+        def extend(self, items: Any, large: Any) -> None:
             for item in items:
                 if item.get("bad"):
                     raise ValueError(f"refused {item['n']}")

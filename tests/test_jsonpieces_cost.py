@@ -18,7 +18,7 @@ from harness import within_loop_gap
 
 from crossbar import jsonpieces, textjoin
 from crossbar.errors import CrossbarError
-from crossbar.request import peek_body, peek_body_off_loop
+from crossbar.request import BodyPeek, peek_body, peek_body_off_loop
 
 READ_WHOLE = jsonpieces.DECODER.decode
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -184,32 +184,31 @@ async def test_a_sink_batch_of_window_sized_values_is_not_freed_at_once(no_colle
     assert peek.model == "m"
 
 
-def test_emptied_values_are_freed_a_few_at_a_time() -> None:
-    """A step frees _FREE_EMPTIED members that were dismantled themselves, in a list or a dict,
-    and _FREE_ITEMS others."""
-    inner = [[[]] for _ in range(40)]
-    outer_list, outer_dict = list(inner[:20]), {f"k{i}": v for i, v in enumerate(inner[20:])}
-    small = [[] for _ in range(jsonpieces._FREE_ITEMS + 5)]
-    sizes: list[tuple[int, int, int]] = []
+def test_emptied_heavy_values_are_freed_a_few_at_a_time() -> None:
+    """A step frees _FREE_EMPTIED members that were dismantled from _HEAVY_MEMBERS members or more
+    (from the end, in a list or a dict), and up to _FREE_ITEMS others."""
+    heavy = [[0] * jsonpieces._HEAVY_MEMBERS for _ in range(40)]
+    light = [[0] * 10 for _ in range(600)]
+    outer_list = light[:300] + heavy[:20]
+    outer_dict = {f"k{i}": value for i, value in enumerate(heavy[20:])}
+    plain = [[] for _ in range(jsonpieces._FREE_ITEMS + 5)]
+    watched = {id(outer_list): "list", id(outer_dict): "dict", id(plain): "plain"}
+    left: list[tuple[str, int]] = []
     real_list_step, real_dict_step = jsonpieces._free_list_step, jsonpieces._free_dict_step
 
     def list_step(container: list[Any], emptied: set[int]) -> None:
         real_list_step(container, emptied)
-        sizes.append((len(outer_list), len(outer_dict), len(small)))
+        if id(container) in watched:
+            left.append((watched[id(container)], len(container)))
 
     def dict_step(container: dict[str, Any], emptied: set[int]) -> None:
         real_dict_step(container, emptied)
-        sizes.append((len(outer_list), len(outer_dict), len(small)))
+        left.append((watched[id(container)], len(container)))
 
     with mock.patch.object(jsonpieces, "_free_list_step", list_step), \
             mock.patch.object(jsonpieces, "_free_dict_step", dict_step):
-        jsonpieces.dismantle([small, outer_list, outer_dict, *inner])
-    steps = [s for s in sizes if s[0] == 20 and s[1] == 20]
-    assert len(steps) == 40  # the inner values, one step each
-    after = sizes[40:]
-    assert [s[1] for s in after[:3]] == [12, 4, 0]
-    assert [s[0] for s in after[3:6]] == [12, 4, 0]
-    assert [s[2] for s in after[6:]] == [5, 0]
+        jsonpieces.dismantle([plain, outer_list, outer_dict, *heavy, *light])
+    assert left == [("dict", 4), ("dict", 0), ("list", 304), ("list", 0), ("plain", 5), ("plain", 0)]
 
 
 # ------------------------------------------------------------------ 6. a refused large body
@@ -256,6 +255,54 @@ async def test_a_large_body_with_a_character_outside_ascii_does_not_hold_the_loo
     assert peek.model == "m" and peek.n_messages > 900_000
 
 
+def _chat_with(**fields: Any) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def _tools(description: str, count: int = 1) -> list[Any]:
+    return [{"type": "function", "function": {"name": "f", "description": description,
+                                              "parameters": {"a": [1, 2, 3]}}}] * count
+
+
+_MEASURED_BODIES: dict[str, Callable[[], bytes]] = {  # built in the test, not at collection
+    "a message's text of 8M emoji": lambda: _chat_with(
+        messages=[{"role": "user", "content": "\U0001F600" * ((8 << 20) - 64)}]),
+    "a tool's description of 30 MiB": lambda: _chat_with(tools=_tools("x" * (30 << 20))),
+    "a tool's description of 10M euro signs": lambda: _chat_with(tools=_tools("\u20ac" * (10 << 20))),
+    "300,000 small tools": lambda: _chat_with(tools=_tools("d", 300_000)),
+    "a tool's description with a lone surrogate (escaped)": lambda: _chat_with(
+        tools=_tools("x" * (30 << 20))).replace(b'"description": "x', b'"description": "\\ud800', 1),
+    "a message's role of 8M emoji": lambda: _chat_with(
+        messages=[{"role": "\U0001F600" * ((8 << 20) - 64), "content": "hi"}]),
+    "a tool call's arguments object": lambda: _chat_with(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {
+            "a": "\u20ac" * (10 << 20)}}}]}]),
+}
+
+
+@pytest.mark.parametrize("name", list(_MEASURED_BODIES))
+async def test_measuring_a_large_bodys_prompt_does_not_hold_the_loop(no_collector: Any, name: str) -> None:
+    """The prompt's bytes were counted in one call per text (`str.encode`) and per tools value
+    (orjson, or `json.dumps` when orjson cannot write it): 20-184 ms for these bodies."""
+    raw = _MEASURED_BODIES[name]()
+    assert len(raw) <= 32 << 20
+    peek = await within_loop_gap(lambda: _peek_off_loop(raw, CHAT), 0.012)
+    assert isinstance(peek, BodyPeek) and peek.prompt_bytes > 8 << 20, peek
+
+
+@pytest.mark.parametrize("key", [lambda: "x" * (30 << 20), lambda: "\U0001F600" * ((8 << 20) - 64)])
+async def test_an_object_key_longer_than_the_limit_is_refused_without_holding_the_loop(
+        no_collector: Any, key: Callable[[], str]) -> None:
+    """A dict hashes its key in one call: 17 ms for a key of 32M ASCII characters, 57 for 32M emoji."""
+    raw = _chat_with(**{key(): 1})
+    refusal = await within_loop_gap(lambda: _peek_off_loop(raw, CHAT), 0.012)
+    limit = jsonpieces.MAX_KEY_CHARS
+    assert refusal == (400, f"request body refused: an object key is longer than {limit} characters")
+    assert _peek(_chat_with(**{"k" * limit: 1}), CHAT, True).model == "m"  # one of the limit's length is read
+
+
 def test_a_large_bodys_text_and_large_strings_are_discarded_in_the_worker() -> None:
     """Their pages go back to the system with the lock let go (`textjoin.discard`), so freeing them
     does not hold it: the decoded text, and a large string value of an object."""
@@ -294,6 +341,7 @@ def _largest_text_held(error: BaseException) -> int:
 @pytest.mark.parametrize("raw, path", [
     (b'{"model":"m","prompt":"' + b"x" * (3 << 20) + b'",}', COMPLETIONS),  # a trailing comma
     (b'{"model":"m","messages":[' + b'{"role":"user","content":"x"},' * 200_000 + b"3]}", CHAT),  # a sink's
+    ('"\U0001F600'.encode() + b"a" * (3 << 20) + b'"', COMPLETIONS),  # a string, not an object
 ])
 def test_a_refused_large_body_keeps_nothing_of_its_decoded_text_in_the_error(raw: bytes, path: str) -> None:
     """The error goes back to the event loop: the text it kept (the JSON error's document, the

@@ -12,7 +12,7 @@ from harness import within_loop_gap
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from crossbar import jsonpieces, jsonread
+from crossbar import jsonpieces, jsonread, request
 from crossbar.config import RouteConf
 from crossbar.errors import CrossbarError
 from crossbar.jsonread import UNREAD
@@ -831,6 +831,37 @@ _exact_bodies = st.fixed_dictionaries({}, optional={
 def test_orjson_peeks_as_the_standard_library(value: dict[str, Any], path: str, ascii_only: bool) -> None:
     raw = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
     assert _peek_outcome(raw, path) == _standard_outcome(raw, path)
+
+
+def _containers(value: Any) -> list[Any]:
+    found, todo = [], [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, list | dict):
+            found.append(item)
+            todo += item.values() if isinstance(item, dict) else item
+    return found
+
+
+_measured_values = st.recursive(
+    _json_scalars | st.sampled_from(["\ud800", "é" * 9, "\U0001F600" * 5, '"\\\x01' * 3, "x" * 12]),
+    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=6), children,
+                                                                      max_size=5),
+    max_leaves=40)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=_measured_values, data=st.data())
+def test_a_value_measured_a_piece_at_a_time_measures_as_it_does_whole(value: Any,
+                                                                      data: st.DataObject) -> None:
+    """A large body's arrays and objects are measured a run of members at a time and its long
+    strings a slice at a time: the same bytes as one call over the whole value (orjson's, or the
+    standard library's when orjson cannot write some of it: a lone surrogate, a large integer)."""
+    whole = request._json_len(value)
+    ids = [id(c) for c in _containers(value)]
+    large = frozenset(data.draw(st.sets(st.sampled_from(ids)))) if ids else frozenset()
+    with mock.patch.multiple(request, _UTF8_SLICE=3, _RUN_MEMBERS=2, _RUN_CHARS=4):
+        assert request._json_len(value, large) == whole
 
 
 @settings(max_examples=300, deadline=None)
