@@ -41,12 +41,11 @@ _PACE_CHARS = 1 << 18  # ...or characters, whichever comes first
 # objects each) or the members of one value read whole (under a window's text in all)...
 _ADD_CHARS = 256
 _FREE_ITEMS = 512  # ...some 64k objects at most (~2 ms; usual members: ~0.05 ms)
-# Members that were themselves dismantled from _HEAVY_MEMBERS members or more are freed this many per
-# step: each is often the last object left in an arena of the allocator (its members, allocated after
-# it, are gone), which goes back to the system as it is freed (~0.1 ms a 1 MiB arena; 300 at once held
-# the lock 28 ms). A step's lighter ones free a few arenas at most (512 x 1k members of 72 bytes: 36).
+# Members that were themselves dismantled are freed this many per step: each may be the last object
+# left in an arena of the allocator (its members, allocated after it, are gone), which goes back to
+# the system as it is freed (~0.1 ms a 1 MiB arena; 300 at once held the lock 28 ms). Others are
+# small: values read whole under _ADD_CHARS characters.
 _FREE_EMPTIED = 16
-_HEAVY_MEMBERS = 1024
 _FREE_SLICE_S = 0.0005  # the lock is offered once steps have taken this long
 _DECODE_PIECE = 1 << 18  # UTF-8 decoded per call (1 MiB into the 4 MiB of 1M emoji: 2 ms)
 
@@ -59,6 +58,7 @@ _NUMBER_TEXT = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
 _NUMBER = re.compile(_NUMBER_TEXT)
 _NUMBER_START = frozenset("-0123456789")
 _OPENERS = frozenset("[{")
+_CONTAINERS = (list, dict)  # what a run of objects may add to `large` (a run may hold other values too)
 _SHORT_TRY = 4096  # characters an array or object gets after a neighbour failed its try (see _whole)
 _NUMBERS = re.compile(rf"(?:{_NUMBER_TEXT}[ \t\n\r]*,[ \t\n\r]*)+")  # each followed by a comma
 _OBJECT_TRIES = 3  # closing braces followed by a comma where a run of objects may end (see _objects)
@@ -99,44 +99,46 @@ def dismantle(containers: list[list[Any] | dict[str, Any]]) -> None:
     _FREE_ITEMS members at a time, and forget them. Freeing a parsed value at once holds the
     interpreter lock for as long as building it took (a message of 600k content parts: 50 ms).
     A step frees _FREE_ITEMS members each under _ADD_CHARS characters, or members of one value read
-    in one window: some 64k objects (~2 ms) at most; of the members emptied here that held
-    _HEAVY_MEMBERS or more, _FREE_EMPTIED at most."""
-    heavy: set[int] = set()  # an id reused meanwhile only makes a step smaller
+    in one window: some 64k objects (~2 ms) at most; of the members that were in `containers`
+    themselves (emptied by then), _FREE_EMPTIED at most."""
+    emptied = {id(container) for container in containers}  # an id reused meanwhile only makes a step smaller
     offered = time.perf_counter()
     while containers:
         container = containers.pop()
-        members = len(container)
         while container:
             if isinstance(container, list):
-                _free_list_step(container, heavy)
+                _free_list_step(container, emptied)
             else:
-                _free_dict_step(container, heavy)
+                _free_dict_step(container, emptied)
             if time.perf_counter() - offered > _FREE_SLICE_S:
                 let_others_run()
                 offered = time.perf_counter()
-        if members >= _HEAVY_MEMBERS:
-            heavy.add(id(container))
 
 
-def _free_list_step(container: list[Any], heavy: set[int]) -> None:
+def _free_list_step(container: list[Any], emptied: set[int]) -> None:
     """Free the last _FREE_ITEMS members of `container`, or fewer: up to the _FREE_EMPTIED-th
-    heavy one from the end."""
-    if heavy and not heavy.isdisjoint(map(id, islice(reversed(container), _FREE_ITEMS))):
-        last = islice(reversed(container), _FREE_ITEMS)
-        from_end = compress(count(1), map(heavy.__contains__, map(id, last)))
-        last_heavy = next(islice(from_end, _FREE_EMPTIED - 1, None), None)
-        del container[-(last_heavy or _FREE_ITEMS):]
-    else:
+    emptied one from the end. Each test is a pass in C: the last _FREE_EMPTIED (a run of emptied
+    values, the usual case where there are any), then how many of the last _FREE_ITEMS are."""
+    if not emptied:
         del container[-_FREE_ITEMS:]
+        return
+    last = list(map(emptied.__contains__, map(id, islice(reversed(container), _FREE_EMPTIED))))
+    if len(last) == _FREE_EMPTIED and all(last):
+        del container[-_FREE_EMPTIED:]
+    elif len(emptied.intersection(map(id, islice(reversed(container), _FREE_ITEMS)))) < _FREE_EMPTIED:
+        del container[-_FREE_ITEMS:]
+    else:
+        flags = map(emptied.__contains__, map(id, islice(reversed(container), _FREE_ITEMS)))
+        del container[-next(islice(compress(count(1), flags), _FREE_EMPTIED - 1, None)):]
 
 
-def _free_dict_step(container: dict[str, Any], heavy: set[int]) -> None:
+def _free_dict_step(container: dict[str, Any], emptied: set[int]) -> None:
     """Free the last _FREE_ITEMS members of `container`, or fewer: up to the _FREE_EMPTIED-th
-    heavy one, or one large string (its pages handed back first: `textjoin.discard`)."""
+    emptied one, or one large string (its pages handed back first: `textjoin.discard`)."""
     left = _FREE_EMPTIED
     for _ in range(min(_FREE_ITEMS, len(container))):
         value = container.popitem()[1]
-        if id(value) in heavy:
+        if id(value) in emptied:
             left -= 1
             if not left:
                 return
@@ -161,15 +163,16 @@ def decode_utf8(raw: bytes) -> str:
     decoder = codecs.getincrementaldecoder("utf-8")()
     view = memoryview(raw)
     pieces = []
-    for at in range(0, len(raw), _DECODE_PIECE):
-        pieces.append(decoder.decode(view[at:at + _DECODE_PIECE]))
-        let_others_run()
-    pieces.append(decoder.decode(b"", final=True))
-    text = textjoin.join(pieces)
-    while pieces:  # one at a time: 32 of 4 MiB each (a text of 32M emoji) freed at once took 13 ms
-        del pieces[-1]
-        let_others_run()
-    return text
+    try:
+        for at in range(0, len(raw), _DECODE_PIECE):
+            pieces.append(decoder.decode(view[at:at + _DECODE_PIECE]))
+            let_others_run()
+        pieces.append(decoder.decode(b"", final=True))
+        return textjoin.join(pieces)
+    finally:  # one at a time, even when a piece is refused: 128 MiB of them at once took 13 ms
+        while pieces:
+            del pieces[-1]
+            let_others_run()
 
 
 def loads(text: str, sinks: Mapping[str, Callable[[], Sink]] | None = None,
@@ -400,7 +403,7 @@ class _Reader:
                 self.offer()
                 continue
             if close + 1 >= _ADD_CHARS * len(values):
-                self.large += [value for value in values if value]
+                self.large += [value for value in values if value and type(value) in _CONTAINERS]
             self.pace(close + 1, len(values))
             self.runs_from = 0
             return values, at + separator.end()

@@ -282,57 +282,67 @@ def _json_len(value: Any, large: Collection[int] = frozenset()) -> int:
     """UTF-8 bytes of `value` as compact JSON (how a chat template renders tools and arguments).
     An array or object whose id is in `large` (a large body's, read a member at a time) is measured
     a run of members at a time, and a string longer than _UTF8_SLICE a slice at a time: each call
-    holds the interpreter lock, and one for a 23 MiB list of tools held it 70 ms. orjson measures
-    it, else the standard library does, the whole value either way (their numbers differ)."""
+    holds the interpreter lock, and one for a 23 MiB list of tools held it 70 ms. The sum is what
+    one call over the whole value gives: orjson's, each piece measured at its depth in the whole,
+    else (orjson cannot write some of it: a lone surrogate, an integer beyond 64 bits, nesting
+    past its limit) the standard library's, whose numbers it writes differently."""
     try:
-        return _measured(value, large, _orjson_len)
+        return _measured(value, large, _orjson_len, 0)
     except _Unwritable:
-        return _measured(value, large, _stdlib_len)
+        return _measured(value, large, _stdlib_len, 0)
 
 
-def _orjson_len(value: Any) -> int:
+def _orjson_len(value: Any, depth: int) -> int:
+    """orjson's bytes for `value` where it stands `depth` arrays or objects deep: as deep as that
+    in the whole value, so that nesting past orjson's limit fails here as it would there."""
+    for _ in range(depth):
+        value = [value]
     size = jsonread.compact_len(value)
     if size is None:
         raise _Unwritable
-    return size
+    return size - 2 * depth
 
 
-def _stdlib_len(value: Any) -> int:
+def _stdlib_len(value: Any, depth: int) -> int:
     return _utf8_len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 
-def _measured(value: Any, large: Collection[int], measure: Callable[[Any], int]) -> int:
+def _measured(value: Any, large: Collection[int], measure: Callable[[Any, int], int], depth: int) -> int:
+    """`value`'s bytes, where it stands `depth` arrays or objects deep."""
     if type(value) is str and len(value) > _UTF8_SLICE:
-        return 2 + sum(measure(value[at:at + _UTF8_SLICE]) - 2 for at in range(0, len(value), _UTF8_SLICE))
+        return 2 + sum(measure(value[at:at + _UTF8_SLICE], depth) - 2
+                       for at in range(0, len(value), _UTF8_SLICE))
     if id(value) not in large or not isinstance(value, list | dict):
-        return measure(value)
+        return measure(value, depth)
     commas = max(0, len(value) - 1)
     if isinstance(value, list):
-        return 2 + commas + _members_len(value, large, measure)
+        return 2 + commas + _members_len(value, large, measure, depth)
     colons = len(value)
-    return 2 + commas + colons + _members_len(list(value), large, measure) \
-        + _members_len(list(value.values()), large, measure)
+    return 2 + commas + colons + _members_len(list(value), large, measure, depth) \
+        + _members_len(list(value.values()), large, measure, depth)
 
 
-def _members_len(members: Sequence[Any], large: Collection[int], measure: Callable[[Any], int]) -> int:
-    """The sum of `members`' compact JSON bytes: small ones a run per call, the others each
+def _members_len(members: Sequence[Any], large: Collection[int], measure: Callable[[Any, int], int],
+                 depth: int) -> int:
+    """The sum of the compact JSON bytes of `members`, those of an array or object `depth` deep:
+    small ones a run per call (the run an array in the container's place), the others each
     measured on its own."""
     total, run, run_chars = 0, [], 0
     for member in members:
         if type(member) is str:
             if len(member) > _UTF8_SLICE:
-                total += _measured(member, large, measure)
+                total += _measured(member, large, measure, depth + 1)
                 continue
             run_chars += len(member)
         elif id(member) in large:
-            total += _measured(member, large, measure)
+            total += _measured(member, large, measure, depth + 1)
             continue
         run.append(member)
         if len(run) >= _RUN_MEMBERS or run_chars >= _RUN_CHARS:
-            total += measure(run) - 1 - len(run)  # less the brackets and commas of the run
+            total += measure(run, depth) - 1 - len(run)  # less the brackets and commas of the run
             run, run_chars = [], 0
     if run:
-        total += measure(run) - 1 - len(run)
+        total += measure(run, depth) - 1 - len(run)
     return total
 
 
@@ -366,7 +376,9 @@ def _load_standard(raw: bytes, piecewise: bool, sinks: Mapping[str, Callable[[],
     try:
         text = jsonpieces.decode_utf8(raw) if piecewise else raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise bad_request("request body is not valid UTF-8") from None
+        text = None  # refused outside the handler: the error's traceback holds the decoded pieces
+    if text is None:
+        raise bad_request("request body is not valid UTF-8")
     obj, refusal = _read_text(text, piecewise, sinks, large)
     only = [text]
     del text

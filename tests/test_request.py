@@ -864,6 +864,24 @@ def test_a_value_measured_a_piece_at_a_time_measures_as_it_does_whole(value: Any
         assert request._json_len(value, large) == whole
 
 
+def _nest(depth: int, inner: Any) -> Any:
+    for _ in range(depth):
+        inner = [inner]
+    return inner
+
+
+@pytest.mark.parametrize("depth", [252, 253, 254, 255, 256])
+def test_a_value_nested_near_orjsons_limit_measures_in_pieces_as_it_does_whole(depth: int) -> None:
+    """Past orjson's nesting limit the whole value is the standard library's (which writes 1e-05
+    where orjson writes 1e-5): a piece measured at its own depth fitted orjson, and the sum was
+    orjson's."""
+    value = [_nest(depth, 1e-05), "x" * 5, [1, 2]]
+    ids = frozenset(map(id, _containers(value)))
+    with mock.patch.multiple(request, _UTF8_SLICE=3, _RUN_MEMBERS=2, _RUN_CHARS=4):
+        assert request._json_len(value, ids) == request._json_len(value, frozenset())
+    assert request._json_len(value, ids) == request._json_len(value)
+
+
 @settings(max_examples=300, deadline=None)
 @given(raw=st.binary(max_size=200), path=_paths)
 def test_orjson_refuses_bytes_as_the_standard_library(raw: bytes, path: str) -> None:
