@@ -362,6 +362,8 @@ def _largest_text_held(error: BaseException) -> int:
         while tb is not None:
             for value in tb.tb_frame.f_locals.values():
                 held += [value, getattr(value, "text", None)]
+                if isinstance(value, list):  # decoded pieces
+                    held.append("".join(piece for piece in value if isinstance(piece, str)))
             tb = tb.tb_next
         longest = max([longest, *(len(v) for v in held if isinstance(v, str))])
         exc = exc.__context__
@@ -372,6 +374,7 @@ def _largest_text_held(error: BaseException) -> int:
     (b'{"model":"m","prompt":"' + b"x" * (3 << 20) + b'",}', COMPLETIONS),  # a trailing comma
     (b'{"model":"m","messages":[' + b'{"role":"user","content":"x"},' * 200_000 + b"3]}", CHAT),  # a sink's
     ('"\U0001F600'.encode() + b"a" * (3 << 20) + b'"', COMPLETIONS),  # a string, not an object
+    (b'{"model":"m","prompt":"' + b"a" * (3 << 20) + b'\xff"}', COMPLETIONS),  # not UTF-8 at its end
 ])
 def test_a_refused_large_body_keeps_nothing_of_its_decoded_text_in_the_error(raw: bytes, path: str) -> None:
     """The error goes back to the event loop: the text it kept (the JSON error's document, the
