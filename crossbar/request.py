@@ -312,8 +312,8 @@ def _measured(value: Any, large: Collection[int], measure: Callable[[Any, int], 
     if type(value) is str and len(value) > _UTF8_SLICE:
         return 2 + sum(measure(value[at:at + _UTF8_SLICE], depth) - 2
                        for at in range(0, len(value), _UTF8_SLICE))
-    if id(value) not in large or not isinstance(value, list | dict):
-        return measure(value, depth)
+    if id(value) not in large or not value or not isinstance(value, list | dict):
+        return measure(value, depth)  # (an empty one too: it is measured at its depth here)
     commas = max(0, len(value) - 1)
     if isinstance(value, list):
         return 2 + commas + _members_len(value, large, measure, depth)

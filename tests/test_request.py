@@ -871,11 +871,13 @@ def _nest(depth: int, inner: Any) -> Any:
 
 
 @pytest.mark.parametrize("depth", [252, 253, 254, 255, 256])
-def test_a_value_nested_near_orjsons_limit_measures_in_pieces_as_it_does_whole(depth: int) -> None:
+@pytest.mark.parametrize("deepest", [1e-05, [], {}])  # an empty one in `large`: read a member at a time
+def test_a_value_nested_near_orjsons_limit_measures_in_pieces_as_it_does_whole(depth: int,
+                                                                               deepest: Any) -> None:
     """Past orjson's nesting limit the whole value is the standard library's (which writes 1e-05
     where orjson writes 1e-5): a piece measured at its own depth fitted orjson, and the sum was
     orjson's."""
-    value = [_nest(depth, 1e-05), "x" * 5, [1, 2]]
+    value = [1e-05, _nest(depth, deepest), "x" * 5, [1, 2]]
     ids = frozenset(map(id, _containers(value)))
     with mock.patch.multiple(request, _UTF8_SLICE=3, _RUN_MEMBERS=2, _RUN_CHARS=4):
         assert request._json_len(value, ids) == request._json_len(value, frozenset())
