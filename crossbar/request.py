@@ -469,7 +469,7 @@ class _ChatTally:
         figures stay in locals for the loop."""
         if len(messages) >= _PLAIN_BATCH and self._extend_plain(messages):
             return
-        large_ids = frozenset(map(id, large))
+        large_ids = frozenset(map(id, large)) if large else frozenset()
         prompt_bytes, system, user = self.prompt_bytes, self.system, self.user
         for index, message in enumerate(messages, self.count):
             if not isinstance(message, dict):

@@ -214,19 +214,24 @@ def test_emptied_values_are_freed_a_few_at_a_time() -> None:
 # ------------------------------------------------------------------ 6. a refused large body
 
 
-def _largest_held(error: BaseException) -> int:
-    """The longest list or dict a local of a frame in `error`'s chained tracebacks holds."""
-    longest = 0
+def _held_by(error: BaseException) -> list[Any]:
+    """What `error` keeps alive along its chain of errors: each error's `doc` (a JSON error's
+    document) and the locals of the frames in its traceback."""
+    held: list[Any] = []
     exc: BaseException | None = error
     while exc is not None:
+        held.append(getattr(exc, "doc", None))
         tb = exc.__traceback__
         while tb is not None:
-            for value in tb.tb_frame.f_locals.values():
-                if isinstance(value, list | dict):
-                    longest = max(longest, len(value))
+            held += tb.tb_frame.f_locals.values()
             tb = tb.tb_next
         exc = exc.__context__
-    return longest
+    return held
+
+
+def _largest_held(error: BaseException) -> int:
+    """The longest list or dict a local of a frame in `error`'s chained tracebacks holds."""
+    return max((len(value) for value in _held_by(error) if isinstance(value, list | dict)), default=0)
 
 
 def test_a_refused_body_does_not_keep_its_partial_parse_alive_in_the_error() -> None:
@@ -352,22 +357,14 @@ def test_a_large_bodys_text_and_large_strings_are_discarded_in_the_worker() -> N
 
 
 def _largest_text_held(error: BaseException) -> int:
-    """The longest text an error keeps alive: a JSON error's document, a string or a reader's text
-    among its frames' locals, along its chain of errors."""
-    longest = 0
-    exc: BaseException | None = error
-    while exc is not None:
-        held = [getattr(exc, "doc", None)]
-        tb = exc.__traceback__
-        while tb is not None:
-            for value in tb.tb_frame.f_locals.values():
-                held += [value, getattr(value, "text", None)]
-                if isinstance(value, list):  # decoded pieces
-                    held.append("".join(piece for piece in value if isinstance(piece, str)))
-            tb = tb.tb_next
-        longest = max([longest, *(len(v) for v in held if isinstance(v, str))])
-        exc = exc.__context__
-    return longest
+    """The longest text an error keeps alive: a JSON error's document, a string, a reader's text or
+    decoded pieces among its frames' locals, along its chain of errors."""
+    texts = []
+    for value in _held_by(error):
+        texts += [value, getattr(value, "text", None)]
+        if isinstance(value, list):  # decoded pieces
+            texts.append("".join(piece for piece in value if isinstance(piece, str)))
+    return max((len(text) for text in texts if isinstance(text, str)), default=0)
 
 
 @pytest.mark.parametrize("raw, path", [
