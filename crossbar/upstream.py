@@ -90,7 +90,11 @@ Fields = tuple[tuple[bytes, bytes], ...]
 
 @functools.lru_cache(maxsize=256)
 def _host_value(scheme: str, host: str, port: int) -> bytes:
-    """The Host header's value for a host, encoded as mitmproxy's `Headers` stores it."""
+    """The Host header's value for a host, encoded as mitmproxy's `Headers` stores it. An IPv6
+    address is written in brackets (`[::1]:8080`), as a URI's authority needs it to be: mitmproxy's
+    `hostport` leaves it bare, which a server cannot tell apart from a port."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
     return url.hostport(scheme, host, port).encode("utf-8", "surrogateescape")
 
 

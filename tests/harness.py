@@ -342,14 +342,17 @@ class RecordingUpstream:
     extra_headers: Mapping[str, str] = field(default_factory=dict)
     received: list[bytes] = field(default_factory=list)
     targets: list[str] = field(default_factory=list)  # path and query of every request, polls included
+    host_fields: list[str | None] = field(default_factory=list)  # the Host field of each POST
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
     chunked: bool = False  # a non-streamed answer sent chunked, without a Content-Length
     status: int = 200  # of a non-streamed answer
+    address: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.port}"
 
     async def handle(self, request: Any) -> Any:
         from aiohttp import web
@@ -364,6 +367,7 @@ class RecordingUpstream:
             return web.Response(status=404, body=b'{"error":"nf"}', headers=json_type)
         raw = await request.read()
         self.received.append(raw)
+        self.host_fields.append(request.headers.get("Host"))
         answer_headers = {**json_type, **self.extra_headers}
         streamed = json.loads(raw).get("stream")
         if not streamed and not self.chunked:
@@ -390,14 +394,15 @@ class RecordingUpstream:
 @asynccontextmanager
 async def recording_upstream(
     json_body: bytes, chunks: Sequence[bytes], extra_headers: Mapping[str, str] | None = None,
-    chunked: bool = False, status: int = 200,
+    chunked: bool = False, status: int = 200, address: str = "127.0.0.1",
 ) -> AsyncIterator[RecordingUpstream]:
     from aiohttp import web
 
-    up = RecordingUpstream(json_body, chunks, dict(extra_headers or {}), chunked=chunked, status=status)
+    up = RecordingUpstream(json_body, chunks, dict(extra_headers or {}), chunked=chunked, status=status,
+                           address=address)
     runner = web.ServerRunner(web.Server(up.handle), shutdown_timeout=0.5, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, address, 0)
     await site.start()
     up.port = runner.addresses[0][1]
     try:

@@ -165,6 +165,17 @@ async def test_non_streamed_pass_through_is_byte_identical(tmp_path: Path) -> No
             assert headers["content-type"] == "application/json"
 
 
+async def test_a_host_on_an_ipv6_address_gets_its_host_field_in_brackets(tmp_path: Path) -> None:
+    # "::1:PORT" would name the address ::1:PORT on the default port
+    async with recording_upstream(FIXED_JSON, FIXED_CHUNKS, address="::1") as up:
+        cfg = single_host_config(tmp_path / "crossbar.toml", up.url)
+        async with crossbar_proxy(cfg) as proxy:
+            raw = await raw_http(proxy.port, post_bytes("/r" + CHAT, ODD_BODY))
+            assert split_response(raw)[0] == 200
+            assert up.received == [ODD_BODY]
+            assert up.host_fields == [f"[::1]:{up.port}"]
+
+
 async def test_streamed_pass_through_is_byte_identical(tmp_path: Path) -> None:
     body_in = ODD_BODY.replace(b'"stream" : false', b'"stream" :true')
     async with recording_upstream(FIXED_JSON, FIXED_CHUNKS) as up:

@@ -98,6 +98,18 @@ def test_point_at_does_what_mitmproxys_setters_do(scheme: str, host: str, port: 
     ours, theirs = request(), request()
     point_at(ours, scheme, host, port, "/base/v1/chat/completions")
     _by_setters(theirs, scheme, host, port, "/base/v1/chat/completions")
+    if ":" in host and theirs.host_header is not None:  # mitmproxy's setters leave an IPv6 Host bare
+        theirs.host_header = f"[{host}]:{port}"
     assert ours.data.get_state() == theirs.data.get_state()
     assert ours.headers.fields == theirs.headers.fields  # field order and the names' case too
     assert ours.url == theirs.url
+
+
+@pytest.mark.parametrize("port, host_value", [(8080, b"[::1]:8080"), (80, b"[::1]"), (9, b"[fe80::1]:9")])
+def test_an_ipv6_host_is_named_in_brackets(port: int, host_value: bytes) -> None:
+    # unbracketed, "::1:8080" reads as the address ::1:8080 on the default port
+    address = "fe80::1" if port == 9 else "::1"
+    r = tutils.treq(host="127.0.0.1", port=7777, headers=http.Headers([(b"Host", b"client:7777")]))
+    point_at(r, "http", address, port, "/v1/models")
+    assert r.headers.fields == ((b"Host", host_value),)
+    assert (r.host, r.port) == (address, port)
