@@ -245,6 +245,38 @@ async def test_a_large_answer_whose_figures_cannot_be_read_counts_them(tmp_path:
     assert summed(samples, "crossbar_usage_figures_dropped_total", host="a") == 1
 
 
+_STREAMED_EVENTS = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+                    b'data: {"choices":[{"index":0,"finish_reason":"stop","delta":{}}],'
+                    b'"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}\n\n'
+                    b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("level", [0, 6])
+async def test_a_compressed_event_stream_passes_unchanged_and_counts_its_figures_dropped(
+        tmp_path: Path, level: int) -> None:
+    # level 0: stored blocks carry the events as they are (cut anywhere by the blocks' framing):
+    # never read as events, as a buffered compressed answer's bytes are never read as JSON
+    sent = gzip.compress(_STREAMED_EVENTS, compresslevel=level)
+    pieces = [sent[:len(sent) // 2], sent[len(sent) // 2:]]
+    async with recording_upstream(b"", pieces, {"Content-Encoding": "gzip"}) as up:
+        cfg = write_config(tmp_path / "c.toml", {"a": (up.url, HostSpec({"m": {}}))},
+                           {"r": {"hosts": ["a"], "default_model": "m"}})
+        async with crossbar_proxy(cfg) as proxy:
+            question = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+            async with aiohttp.ClientSession(auto_decompress=False) as session, \
+                    session.post(proxy.url + CHAT, json=question) as got:
+                # streamed: the first piece arrives while the host holds back the rest
+                first = await asyncio.wait_for(got.content.readexactly(len(pieces[0])), 5)
+                up.gate.set()
+                status, body = got.status, first + await got.read()
+                content_type = got.headers["Content-Type"]
+            (row,) = await request_rows(proxy)
+            _, samples = await scrape(proxy.url)
+    assert (status, content_type, body) == (200, "text/event-stream", sent)
+    assert (row.status, row.err, row.prompt_tokens, row.completion_tokens) == (200, None, None, None)
+    assert summed(samples, "crossbar_usage_figures_dropped_total", host="a") == 1
+
+
 async def test_a_5xx_that_grows_past_the_bound_without_a_length_is_not_retried(tmp_path: Path) -> None:
     # held back for a retry, then streamed to the client by mitmproxy once its buffer passed the
     # bound: what the client got stands, and nothing counts as a dropped figure

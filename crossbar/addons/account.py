@@ -1,8 +1,9 @@
 """The core answer hooks: tap the answer for usage on its way to the client, and end the request
 (row, metrics, slot, lease hold) exactly once, whatever path it took.
 
-  responseheaders  SSE → stream through the usage tap; a body past the buffering bound →
-                   stream it, keeping its edges for usage
+  responseheaders  SSE → stream through the usage tap (a compressed one: streamed untapped, its
+                   usage a dropped figure); a body past the buffering bound → stream it, keeping
+                   its edges for usage
   response         read usage (a compressed answer: decoded within a bound, on a worker thread);
                    end the request (in a `finally`)
   error            cut stream, refused connect, client gone: end the request (in a `finally`)
@@ -46,6 +47,9 @@ class Account:
         if ex is None or flow.metadata.get(LOCAL) or flow.response is None or ex.retry_pending:
             return
         if headers.event_stream(flow.response.headers):
+            if _encoded(flow.response):  # its events are not readable as they pass (see _streamed_usage)
+                flow.response.stream = True
+                return
             ex.tap = SSETap()
             flow.response.stream = ex.tap
         elif flow.response.stream and ex.completion:  # a body announced past the buffering bound
@@ -124,14 +128,20 @@ class Account:
 def _streamed_usage(response: http.Response, ex: Exchange, edges: EdgeTap | None) -> Usage | None:
     """Usage of a completion's answer streamed because it was too large to buffer: read at its
     edges. mitmproxy also streams an answer without a Content-Length once its buffer passes the
-    bound, after the hook that would have kept its edges: that one, and a compressed one, count
-    a dropped figure (an error answer carries none to drop)."""
+    bound, after the hook that would have kept its edges: that one, a compressed one, and a
+    compressed event stream (its compressed bytes are never scanned as events: a stored block
+    carries them as they are, cut anywhere) count a dropped figure (an error answer carries none
+    to drop)."""
     if edges is not None and not _encoded(response):
         return edges.usage()
     if response.status_code >= 400:
         return None
-    why = ("a compressed answer too large to buffer" if edges is not None
-           else "an answer without a Content-Length that grew past the buffering bound")
+    if edges is not None:
+        why = "a compressed answer too large to buffer"
+    elif headers.event_stream(response.headers):
+        why = "a compressed event stream"
+    else:
+        why = "an answer without a Content-Length that grew past the buffering bound"
     log.warning("crossbar: usage from %s not read from %s", ex.host, why)
     return Usage(dropped=1)
 
