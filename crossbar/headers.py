@@ -33,3 +33,8 @@ def has_any(headers: http.Headers, names: frozenset[bytes]) -> bool:
 def event_stream(headers: http.Headers) -> bool:
     """Whether the message is a server-sent event stream (its Content-Type says so)."""
     return value(headers, b"content-type", "").lstrip().lower().startswith("text/event-stream")
+
+
+def compressed(headers: http.Headers) -> bool:
+    """Whether the message's body is sent in a content coding (gzip, br, ...), not as it is."""
+    return value(headers, b"content-encoding", "identity").strip().lower() not in ("", "identity")

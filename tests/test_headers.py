@@ -29,3 +29,11 @@ def test_an_event_stream_is_told_by_its_content_type() -> None:
     assert headers.event_stream(http.Headers(content_type="text/event-stream; charset=utf-8"))
     assert not headers.event_stream(http.Headers(content_type="application/json"))
     assert not headers.event_stream(http.Headers())
+
+
+def test_a_compressed_body_is_told_by_its_content_encoding() -> None:
+    for encoding in ("gzip", " GZIP ", "br", "zstd", "gzip, br"):
+        assert headers.compressed(http.Headers(content_encoding=encoding)), encoding
+    for encoding in ("identity", " Identity ", ""):
+        assert not headers.compressed(http.Headers(content_encoding=encoding)), encoding
+    assert not headers.compressed(http.Headers())

@@ -277,6 +277,29 @@ async def test_a_compressed_event_stream_passes_unchanged_and_counts_its_figures
     assert summed(samples, "crossbar_usage_figures_dropped_total", host="a") == 1
 
 
+@pytest.mark.parametrize("level", [0, 6])
+async def test_a_compressed_event_stream_answered_by_a_retry_counts_its_figures_dropped(
+        tmp_path: Path, level: int) -> None:
+    # a answers 500 once; the retry on b gets the stream whole (a retry is answered whole)
+    sent = gzip.compress(_STREAMED_EVENTS, compresslevel=level)
+    failing = HostSpec({"m": {}}, sim=SimConfig(models=["m"], n_slots=8, fail_status=500, fail_times=1))
+    async with sim_fleet({"a": failing}) as fleet, \
+            recording_upstream(b"", [sent], {"Content-Encoding": "gzip"}) as up:
+        up.gate.set()
+        hosts = {"a": (fleet["a"].url, failing), "b": (up.url, HostSpec({"m": {}}))}
+        cfg = write_config(tmp_path / "c.toml", hosts, {"r": {"hosts": ["a", "b"], "default_model": "m"}})
+        async with crossbar_proxy(cfg) as proxy:
+            question = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+            async with aiohttp.ClientSession(auto_decompress=False) as session, \
+                    session.post(proxy.url + CHAT, json=question) as got:
+                status, body, retried = got.status, await got.read(), got.headers.get("X-Crossbar-Retried")
+            (row,) = await request_rows(proxy)
+            _, samples = await scrape(proxy.url)
+    assert (status, retried, body) == (200, "1", sent)
+    assert (row.host, row.status, row.prompt_tokens, row.completion_tokens) == ("b", 200, None, None)
+    assert summed(samples, "crossbar_usage_figures_dropped_total", host="b") == 1
+
+
 async def test_a_5xx_that_grows_past_the_bound_without_a_length_is_not_retried(tmp_path: Path) -> None:
     # held back for a retry, then streamed to the client by mitmproxy once its buffer passed the
     # bound: what the client got stands, and nothing counts as a dropped figure

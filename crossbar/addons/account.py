@@ -1,9 +1,9 @@
 """The core answer hooks: tap the answer for usage on its way to the client, and end the request
 (row, metrics, slot, lease hold) exactly once, whatever path it took.
 
-  responseheaders  SSE → stream through the usage tap (a compressed one: streamed untapped, its
-                   usage a dropped figure); a body past the buffering bound → stream it, keeping
-                   its edges for usage
+  responseheaders  SSE → stream through the usage tap (a compressed one untapped: its usage is
+                   a dropped figure); a body past the buffering bound → stream it, keeping its
+                   edges for usage
   response         read usage (a compressed answer: decoded within a bound, on a worker thread);
                    end the request (in a `finally`)
   error            cut stream, refused connect, client gone: end the request (in a `finally`)
@@ -47,7 +47,7 @@ class Account:
         if ex is None or flow.metadata.get(LOCAL) or flow.response is None or ex.retry_pending:
             return
         if headers.event_stream(flow.response.headers):
-            if _encoded(flow.response):  # its events are not readable as they pass (see _streamed_usage)
+            if headers.compressed(flow.response.headers):  # its events cannot be read as they pass
                 flow.response.stream = True
                 return
             ex.tap = SSETap()
@@ -86,8 +86,10 @@ class Account:
         there is no such answer to decode."""
         ex, cfg, response = exchange_of(flow), self.rt.cfg, flow.response
         if (ex is None or response is None or not ex.completion or ex.tap is not None
-                or response.stream or flow.metadata.get(LOCAL) or not _encoded(response)):
+                or response.stream or flow.metadata.get(LOCAL) or not headers.compressed(response.headers)):
             return PLAIN
+        if headers.event_stream(response.headers):  # a retried stream, answered whole
+            return _unread(response, ex, "a compressed event stream")
         if cfg is None:
             return None
         encoding, cap = response.headers["content-encoding"], cfg.buffered_body_max
@@ -126,29 +128,29 @@ class Account:
 
 
 def _streamed_usage(response: http.Response, ex: Exchange, edges: EdgeTap | None) -> Usage | None:
-    """Usage of a completion's answer streamed because it was too large to buffer: read at its
+    """Usage of a completion's answer streamed without a tap: one too large to buffer, read at its
     edges. mitmproxy also streams an answer without a Content-Length once its buffer passes the
     bound, after the hook that would have kept its edges: that one, a compressed one, and a
-    compressed event stream (its compressed bytes are never scanned as events: a stored block
-    carries them as they are, cut anywhere) count a dropped figure (an error answer carries none
-    to drop)."""
-    if edges is not None and not _encoded(response):
+    compressed event stream count a dropped figure."""
+    if edges is not None and not headers.compressed(response.headers):
         return edges.usage()
-    if response.status_code >= 400:
-        return None
     if edges is not None:
         why = "a compressed answer too large to buffer"
     elif headers.event_stream(response.headers):
         why = "a compressed event stream"
     else:
         why = "an answer without a Content-Length that grew past the buffering bound"
+    return _unread(response, ex, why)
+
+
+def _unread(response: http.Response, ex: Exchange, why: str) -> Usage | None:
+    """The figures of an answer crossbar does not read: one dropped figure (an error answer
+    carries none to drop). A compressed event stream is one: its compressed bytes are never
+    scanned as events (a stored gzip block carries them as they are, cut anywhere)."""
+    if response.status_code >= 400:
+        return None
     log.warning("crossbar: usage from %s not read from %s", ex.host, why)
     return Usage(dropped=1)
-
-
-def _encoded(response: http.Response) -> bool:
-    encoding = headers.value(response.headers, b"content-encoding", "identity")
-    return encoding.strip().lower() not in ("", "identity")
 
 
 def _holds_large_body(flow: http.HTTPFlow) -> bool:

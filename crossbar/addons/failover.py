@@ -258,7 +258,7 @@ class Failover:
         flow.response.headers["X-Crossbar-Retried"] = "1"
         if ex.ctx_moved:
             flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
-        if headers.event_stream(flow.response.headers):
+        if headers.event_stream(flow.response.headers) and not headers.compressed(flow.response.headers):
             tap = SSETap()
             tap(body)
             tap(b"")
