@@ -32,9 +32,36 @@ def has_any(headers: http.Headers, names: frozenset[bytes]) -> bool:
 
 def event_stream(headers: http.Headers) -> bool:
     """Whether the message is a server-sent event stream (its Content-Type says so)."""
-    return value(headers, b"content-type", "").lstrip().lower().startswith("text/event-stream")
+    return _is_event_stream(value(headers, b"content-type", ""))
 
 
 def compressed(headers: http.Headers) -> bool:
-    """Whether the message's body is sent in a content coding (gzip, br, ...), not as it is."""
-    return value(headers, b"content-encoding", "identity").strip().lower() not in ("", "identity")
+    """Whether the message's body is sent in a content coding (gzip, br, ...), not as it is: any
+    coding named in its Content-Encoding fields but `identity` (or nothing, between commas)."""
+    return _names_a_coding(value(headers, b"content-encoding", ""))
+
+
+def event_stream_coding(headers: http.Headers) -> tuple[bool, bool]:
+    """(`event_stream(headers)`, `compressed(headers)`) in one pass over the fields: an answer's
+    head is looked at for both, and each alone reads every field."""
+    types: list[bytes] = []
+    codings: list[bytes] = []
+    for key, field in headers.fields:
+        name = key.lower()
+        if name == b"content-type":
+            types.append(field)
+        elif name == b"content-encoding":
+            codings.append(field)
+    return _is_event_stream(_joined(types)), bool(codings) and _names_a_coding(_joined(codings))
+
+
+def _joined(fields: list[bytes]) -> str:
+    return b", ".join(fields).decode("utf-8", "surrogateescape")
+
+
+def _is_event_stream(content_type: str) -> bool:
+    return content_type.lstrip().lower().startswith("text/event-stream")
+
+
+def _names_a_coding(content_encoding: str) -> bool:
+    return any(coding.strip().lower() not in ("", "identity") for coding in content_encoding.split(","))

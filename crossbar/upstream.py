@@ -92,9 +92,10 @@ Fields = tuple[tuple[bytes, bytes], ...]
 def _host_value(scheme: str, host: str, port: int) -> bytes:
     """The Host header's value for a host, encoded as mitmproxy's `Headers` stores it. An IPv6
     address is written in brackets (`[::1]:8080`), as a URI's authority needs it to be: mitmproxy's
-    `hostport` leaves it bare, which a server cannot tell apart from a port."""
+    `hostport` leaves it bare, which a server cannot tell apart from a port. A zone (`%eth0`) is
+    left out: it means something only on the machine that connects."""
     if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
+        host = f"[{host.partition('%')[0]}]"
     return url.hostport(scheme, host, port).encode("utf-8", "surrogateescape")
 
 

@@ -165,6 +165,16 @@ async def test_non_streamed_pass_through_is_byte_identical(tmp_path: Path) -> No
             assert headers["content-type"] == "application/json"
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
 async def test_a_host_on_an_ipv6_address_gets_its_host_field_in_brackets(tmp_path: Path) -> None:
     # "::1:PORT" would name the address ::1:PORT on the default port
     async with recording_upstream(FIXED_JSON, FIXED_CHUNKS, address="::1") as up:

@@ -277,6 +277,37 @@ async def test_a_compressed_event_stream_passes_unchanged_and_counts_its_figures
     assert summed(samples, "crossbar_usage_figures_dropped_total", host="a") == 1
 
 
+async def test_a_compressed_event_stream_cut_after_its_last_event_counts_its_figures_dropped(
+        tmp_path: Path) -> None:
+    # a plain stream cut there still has its figures read by the tap; a compressed one has none
+    sent = gzip.compress(_STREAMED_EVENTS, compresslevel=0)
+
+    async def complete(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Encoding: gzip\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(sent), sent))
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.transport.abort()  # before the last chunk
+
+    async with raw_upstream(complete) as url:
+        cfg = write_config(tmp_path / "c.toml", {"a": (url, HostSpec({"m": {"parallel": 1}}))},
+                           {"r": {"hosts": ["a"], "default_model": "m"}})
+        async with crossbar_proxy(cfg) as proxy:
+            question = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+            got = bytearray()
+            async with aiohttp.ClientSession(auto_decompress=False) as session, \
+                    session.post(proxy.url + CHAT, json=question) as resp:
+                with contextlib.suppress(aiohttp.ClientPayloadError):
+                    async for piece in resp.content.iter_any():
+                        got += piece
+            await wait_until(lambda: proxy.router.in_flight("a", "m") == 0, what="the cut request ended")
+            (row,) = await request_rows(proxy)
+            _, samples = await scrape(proxy.url)
+    assert bytes(got) == sent  # everything the host sent, and nothing that looks complete after it
+    assert row.err is not None and (row.prompt_tokens, row.completion_tokens) == (None, None)
+    assert summed(samples, "crossbar_usage_figures_dropped_total", host="a") == 1
+
+
 @pytest.mark.parametrize("level", [0, 6])
 async def test_a_compressed_event_stream_answered_by_a_retry_counts_its_figures_dropped(
         tmp_path: Path, level: int) -> None:

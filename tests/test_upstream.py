@@ -105,10 +105,12 @@ def test_point_at_does_what_mitmproxys_setters_do(scheme: str, host: str, port: 
     assert ours.url == theirs.url
 
 
-@pytest.mark.parametrize("port, host_value", [(8080, b"[::1]:8080"), (80, b"[::1]"), (9, b"[fe80::1]:9")])
-def test_an_ipv6_host_is_named_in_brackets(port: int, host_value: bytes) -> None:
+@pytest.mark.parametrize("address, port, host_value", [
+    ("::1", 8080, b"[::1]:8080"), ("::1", 80, b"[::1]"), ("fe80::1", 9, b"[fe80::1]:9"),
+    ("fe80::1%eth0", 8080, b"[fe80::1]:8080"),  # a zone means something only where it connects
+])
+def test_an_ipv6_host_is_named_in_brackets(address: str, port: int, host_value: bytes) -> None:
     # unbracketed, "::1:8080" reads as the address ::1:8080 on the default port
-    address = "fe80::1" if port == 9 else "::1"
     r = tutils.treq(host="127.0.0.1", port=7777, headers=http.Headers([(b"Host", b"client:7777")]))
     point_at(r, "http", address, port, "/v1/models")
     assert r.headers.fields == ((b"Host", host_value),)

@@ -46,8 +46,9 @@ class Account:
         ex = exchange_of(flow)
         if ex is None or flow.metadata.get(LOCAL) or flow.response is None or ex.retry_pending:
             return
-        if headers.event_stream(flow.response.headers):
-            if headers.compressed(flow.response.headers):  # its events cannot be read as they pass
+        stream, compressed = headers.event_stream_coding(flow.response.headers)
+        if stream:
+            if compressed:  # its events cannot be read as they pass
                 flow.response.stream = True
                 return
             ex.tap = SSETap()
@@ -121,10 +122,14 @@ class Account:
         flow.metadata.pop(EDGES, None)  # a cut answer's edges tell nothing
         ex.cancel_deadline()
         ex.err = ex.err or (flow.error.msg if flow.error else "error")
+        response = flow.response
         if ex.tap is not None:
             ex.usage = ex.tap.usage
-        if flow.response is not None and ex.status is None:
-            ex.status = flow.response.status_code
+        elif (ex.completion and response is not None and response.stream
+              and headers.event_stream(response.headers) and headers.compressed(response.headers)):
+            ex.usage = _unread(response, ex, "a compressed event stream, cut")
+        if response is not None and ex.status is None:
+            ex.status = response.status_code
 
 
 def _streamed_usage(response: http.Response, ex: Exchange, edges: EdgeTap | None) -> Usage | None:
