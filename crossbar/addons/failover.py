@@ -258,7 +258,8 @@ class Failover:
         flow.response.headers["X-Crossbar-Retried"] = "1"
         if ex.ctx_moved:
             flow.response.headers["X-Crossbar-Ctx"] = ex.ctx_moved
-        if headers.event_stream(flow.response.headers) and not headers.compressed(flow.response.headers):
+        stream, compressed = headers.event_stream_coding(flow.response.headers)
+        if stream and not compressed:  # a compressed one's figures are not read (Account)
             tap = SSETap()
             tap(body)
             tap(b"")
