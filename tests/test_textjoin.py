@@ -11,7 +11,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from harness import within_loop_gap
+from harness import LOOP_GAP_TRIES, within_loop_gap
 
 from crossbar import jsonpieces, textjoin
 
@@ -195,7 +195,7 @@ def test_a_string_held_by_a_container_is_left_as_it_is() -> None:
 async def test_discarding_a_large_string_does_not_hold_the_event_loop() -> None:
     """Freeing a 128 MiB string (32M characters, some of them emoji) held the interpreter lock
     13 ms while the system took its pages back; they now go back with the lock let go."""
-    strings = [["".join(["\U0001F600" * (16 << 20), "x" * (16 << 20)])] for _ in range(3)]  # one a try
-    turns = iter(strings)
+    strings = [["".join(["\U0001F600" * (16 << 20), "x" * (16 << 20)])] for _ in range(LOOP_GAP_TRIES)]
+    turns = iter(strings)  # one a try, made before: making one on the loop would hold it
     await within_loop_gap(lambda: asyncio.to_thread(textjoin.discard, next(turns)), 0.006)
     assert strings[0] == []
