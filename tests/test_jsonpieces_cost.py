@@ -174,8 +174,6 @@ def _window_of_empty_lists() -> str:
 # system and held the loop 22-35 ms (freed at once, values and all: 135-220 ms); now 4-9 ms, with
 # runs of 12-33 ms now and then on an idle machine (the worker inside one 2 ms scan of a window
 # when the pause was seen), more often on a busy one.
-
-
 async def test_dismantling_an_array_of_window_sized_values_does_not_hold_the_loop(no_collector: Any) -> None:
     raw = ('{"model":"m","prompt":"hi","x":[' + ",".join([_window_of_empty_lists()] * 300) + "]}").encode()
     peek = await within_loop_gap(lambda: _peek_off_loop(raw, COMPLETIONS), 0.015)
