@@ -52,7 +52,7 @@ def event_stream_coding(headers: http.Headers) -> tuple[bool, bool]:
             types.append(field)
         elif name == b"content-encoding":
             codings.append(field)
-    return _is_event_stream(_joined(types)), bool(codings) and _names_a_coding(_joined(codings))
+    return _is_event_stream(_joined(types)), _names_a_coding(_joined(codings))
 
 
 def _joined(fields: list[bytes]) -> str:
@@ -64,4 +64,6 @@ def _is_event_stream(content_type: str) -> bool:
 
 
 def _names_a_coding(content_encoding: str) -> bool:
-    return any(coding.strip().lower() not in ("", "identity") for coding in content_encoding.split(","))
+    # the usual answer has no Content-Encoding: answered without splitting (every answer asks)
+    return bool(content_encoding) and any(coding.strip().lower() not in ("", "identity")
+                                          for coding in content_encoding.split(","))

@@ -125,8 +125,8 @@ class Account:
         response = flow.response
         if ex.tap is not None:
             ex.usage = ex.tap.usage
-        elif (ex.completion and response is not None and response.stream
-              and headers.event_stream(response.headers) and headers.compressed(response.headers)):
+        elif ex.completion and response is not None and response.stream \
+                and headers.event_stream_coding(response.headers) == (True, True):
             ex.usage = _unread(response, ex, "a compressed event stream, cut")
         if response is not None and ex.status is None:
             ex.status = response.status_code
