@@ -137,11 +137,12 @@ def _streamed_usage(response: http.Response, ex: Exchange, edges: EdgeTap | None
     edges. mitmproxy also streams an answer without a Content-Length once its buffer passes the
     bound, after the hook that would have kept its edges: that one, a compressed one, and a
     compressed event stream count a dropped figure."""
-    if edges is not None and not headers.compressed(response.headers):
+    stream, compressed = headers.event_stream_coding(response.headers)
+    if edges is not None and not compressed:
         return edges.usage()
     if edges is not None:
         why = "a compressed answer too large to buffer"
-    elif headers.event_stream(response.headers):
+    elif stream:
         why = "a compressed event stream"
     else:
         why = "an answer without a Content-Length that grew past the buffering bound"
