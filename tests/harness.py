@@ -457,78 +457,90 @@ async def largest_loop_gap(run: Callable[[], Awaitable[Any]]) -> tuple[float, An
 LOOP_GAP_TRIES = 5
 # between two tries: a machine busy elsewhere (a shared host) is often busy for a while
 LOOP_GAP_PAUSE_S = 0.25
-# Beside `_paced_work` on a quiet 2-core machine, the smallest of PACED_RUNS runs: the loop's longest
-# pause 2.8-3.8 ms, the reference read 0.76-0.91 ms. With every CPU busy elsewhere the pause was
-# 6-10.5 ms, and loop pauses beside crossbar's own work grew alike; where memory is slow to touch (a
-# freshly started virtual machine), a read like crossbar's is slower too.
-QUIET_PACED_GAP_S = 0.004
-QUIET_REFERENCE_READ_S = 0.0012
-PACED_RUNS = 3
-# 21k small arrays: what one window of a nested body reads in one C call
-_REFERENCE_TEXT = "[" + ",".join(["[" + ",".join(["[]"] * 19) + "]"] * 1000) + "]"
+# What a try that missed its bound measures of the machine (`machine_state`): PROBE_RUNS runs of
+# PROBE_S each, the median of each figure (one pause now and then says nothing of the machine; a slow
+# machine is slow in most runs). On a quiet 2-core machine the loop's longest pause beside the probe
+# was 2.9-6.0 ms and its read 0.82-0.98 ms; with every CPU busy elsewhere the pause was 7-16 ms.
+PROBE_S = 0.3
+PROBE_RUNS = 3
+QUIET_PROBE_GAP_S = 0.006
+QUIET_PROBE_READ_S = 0.0012
+# 20k small arrays in 59,001 characters: what one window of a nested body reads in one C call
+_PROBE_TEXT = "[" + ",".join(["[" + ",".join(["[]"] * 19) + "]"] * 1000) + "]"
 
 
-def _paced_work(seconds: float) -> float:
-    """Three reads of a reference text into fresh memory (the quickest one's time is returned), then
-    Python work for the rest of `seconds` that lets go of the interpreter at every switch interval:
-    small objects made and freed a few at a time, never one long C call."""
+def _probe(seconds: float) -> float:
+    """Three reads of the probe's text into fresh memory (the quickest one's time is returned), then
+    Python work until `seconds` have passed, which lets go of the interpreter at every switch
+    interval: small objects made and freed a few at a time, never one long C call."""
+    started = time.perf_counter()
     reads: list[float] = []
-    values = []
+    values: list[Any] = []
     for _ in range(3):
-        started = time.perf_counter()
-        values.append(json.loads(_REFERENCE_TEXT))
-        reads.append(time.perf_counter() - started)
+        read_from = time.perf_counter()
+        values.append(json.loads(_PROBE_TEXT))
+        reads.append(time.perf_counter() - read_from)
     values.clear()
-    end = time.perf_counter() + seconds
     kept: list[Any] = [None] * 1024
     made = 0
-    while time.perf_counter() < end:
+    while time.perf_counter() < started + seconds:
         kept[made % len(kept)] = [[] for _ in range(32)]
         made += 1
     return min(reads)
 
 
-async def machine_slowdown(seconds: float) -> tuple[float, str]:
-    """How many times slower than a quiet machine this one is now (at least 1), and what that was
-    measured from: the loop's longest pause beside paced work in a worker thread, over `seconds`,
-    and that thread's reference read, each the smallest of PACED_RUNS runs (a pause now and then
-    says nothing of the machine; a slow machine is slow in every run)."""
-    gaps, reads = [], []
+@dataclass(frozen=True)
+class MachineState:
+    """How the machine ran the probe just now, and what that allows a loop-pause bound."""
+    gap: float  # the loop's longest pause beside the probe (s)
+    read: float  # the probe's read (s)
+
+    def allowance(self, bound: float) -> float:
+        """What `bound`, set for a quiet machine, becomes on this one: a slower read (slow CPU or
+        memory) makes the work beside the loop slower in proportion; a longer wait for a CPU adds
+        to every pause."""
+        return bound * max(1.0, self.read / QUIET_PROBE_READ_S) + max(0.0, self.gap - QUIET_PROBE_GAP_S)
+
+    def __str__(self) -> str:
+        return f"probe's pause {self.gap * 1000:.1f} ms, read {self.read * 1000:.2f} ms"
+
+
+async def machine_state() -> MachineState:
+    """The median figures of PROBE_RUNS runs of the probe in a worker thread, the collector off
+    (a full collection of the test process's heap pauses the loop some 65 ms)."""
+    gaps: list[float] = []
+    reads: list[float] = []
     collecting = gc.isenabled()
-    gc.disable()  # a full collection of the test process's heap pauses the loop some 65 ms
+    gc.disable()
     try:
-        for _ in range(PACED_RUNS):
-            gap, read = await largest_loop_gap(lambda: asyncio.to_thread(_paced_work, seconds))
+        for _ in range(PROBE_RUNS):
+            gap, read = await largest_loop_gap(lambda: asyncio.to_thread(_probe, PROBE_S))
             gaps.append(gap)
             reads.append(read)
     finally:
         if collecting:
             gc.enable()
-    slowdown = max(1.0, min(gaps) / QUIET_PACED_GAP_S, min(reads) / QUIET_REFERENCE_READ_S)
-    return slowdown, f"machine {slowdown:.1f}x: paced {min(gaps) * 1000:.1f}, read {min(reads) * 1000:.2f} ms"
+    return MachineState(sorted(gaps)[len(gaps) // 2], sorted(reads)[len(reads) // 2])
 
 
 async def within_loop_gap(run: Callable[[], Awaitable[Any]], bound: float,
                           tries: int = LOOP_GAP_TRIES) -> Any:
     """What `run` gave, once a run held the event loop less than `bound` seconds on a quiet machine,
-    or proportionally longer on a machine measured slower right after it (`machine_slowdown`, over
-    as long as the run took); fails with every gap seen when `tries` runs all held it longer.
-    A single C call that holds the interpreter holds it on every try, on a quiet machine as on a
-    slow one; a machine busy elsewhere for a moment is not busy on every try, and one slow for
-    minutes slows paced work as much (CI runs saw these tests' gaps three to five times their idle
-    size in five tries running)."""
+    or less than what the machine measured right after the run allows (`MachineState.allowance`);
+    fails with every gap seen when `tries` runs all held it longer. A single C call that holds the
+    interpreter holds it on every try, as long on a busy machine as on a quiet one; a machine busy
+    elsewhere for a moment is not busy on every try, and one slow for minutes slows the probe too
+    (CI runs saw these tests' gaps three to five times their idle size in five tries running)."""
     seen: list[str] = []
-    loop = asyncio.get_running_loop()
     for attempt in range(tries):
         if attempt:
             await asyncio.sleep(LOOP_GAP_PAUSE_S)
-        started = loop.time()
         gap, result = await largest_loop_gap(run)
         if gap < bound:
             return result
-        slowdown, measured = await machine_slowdown(loop.time() - started)
-        seen.append(f"{gap * 1000:.0f} ({measured})")
-        if gap < bound * slowdown:
+        state = await machine_state()
+        seen.append(f"{gap * 1000:.0f} ms ({state}: {state.allowance(bound) * 1000:.0f} ms allowed)")
+        if gap < state.allowance(bound):
             return result
-    raise AssertionError(f"the event loop stalled {', '.join(seen)} ms in {tries} runs "
+    raise AssertionError(f"the event loop stalled {', '.join(seen)} in {tries} runs "
                          f"(bound {bound * 1000:.0f} ms on a quiet machine)")
